@@ -1,0 +1,185 @@
+"""Read llama.cpp GGUF files: an HF-style config, float32 weights under HF names, and the tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tokenizers import pre_tokenizers
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# Vocabulary arrays: large, and only the tokenizer (built by transformers) needs them.
+_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A GGUF model as an HF `config.json` dict and float32 tensors under HF names and layouts."""
+
+    config: dict
+    tensors: dict[str, np.ndarray]
+
+
+def load_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Read a llama-architecture GGUF file, dequantising every tensor to float32."""
+    reader = GGUFReader(path)
+    fields = _fields(reader)
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise NotImplementedError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    config = _hf_config(fields, {t.name: [int(d) for d in t.shape] for t in reader.tensors})
+    tensors = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        tensors[name] = _unpermute(name, _dequantize(tensor), config)
+    return GGUFCheckpoint(config=config, tensors=tensors)
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """Return transformers' fast tokenizer for a GGUF file, with the pre-tokenizer and specials the GGUF asks for."""
+    from transformers import AutoTokenizer  # heavy; only callers that tokenize pay for it
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    fields = read_gguf_fields(path)
+    # transformers ignores some `tokenizer.ggml.pre` values and falls back to GPT-2 splitting.
+    make_pre_tokenizer = _PRE_TOKENIZERS.get(fields.get("tokenizer.ggml.pre"))
+    if make_pre_tokenizer is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = make_pre_tokenizer()
+    if fields.get("tokenizer.chat_template") and not tokenizer.chat_template:
+        tokenizer.chat_template = fields["tokenizer.chat_template"]
+    for role in ("bos", "eos"):
+        token_id = fields.get(f"tokenizer.ggml.{role}_token_id")
+        if token_id is not None and getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+    return tokenizer
+
+
+def _smollm_pre_tokenizer():
+    """SmolLM's pre-tokenizer: every digit alone, then GPT-2 byte-level splitting."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
+
+
+_PRE_TOKENIZERS = {"smollm": _smollm_pre_tokenizer}
+
+
+def read_gguf_fields(path: str | Path) -> dict:
+    """Return the GGUF metadata as {key: value}, without the vocabulary arrays."""
+    return _fields(GGUFReader(path))
+
+
+def _fields(reader: GGUFReader) -> dict:
+    """Decode the reader's metadata fields to Python values."""
+    return {key: field.contents() for key, field in reader.fields.items() if key not in _VOCAB_KEYS}
+
+
+def _hf_config(fields: dict, shapes: dict[str, list[int]]) -> dict:
+    """Build a `LlamaForCausalLM` config.json dict from the GGUF `llama.*` keys."""
+    hidden = int(fields["llama.embedding_length"])
+    heads = int(fields["llama.attention.head_count"])
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        # ggml shapes list the fastest dimension first: token_embd is [hidden, vocab].
+        "vocab_size": int(fields.get("llama.vocab_size", shapes["token_embd.weight"][1])),
+        "hidden_size": hidden,
+        "intermediate_size": int(fields["llama.feed_forward_length"]),
+        "num_hidden_layers": int(fields["llama.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(fields.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(fields.get("llama.attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(fields["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": _f32(fields.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(fields["llama.context_length"]),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+    }
+    rope_scaling = _rope_scaling(fields)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _f32(value: float) -> float:
+    """Return a GGUF float32 as the shortest decimal that round-trips (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(fields: dict) -> dict | None:
+    """Return HF `rope_scaling` from the GGUF `llama.rope.scaling.*` keys, or None when absent."""
+    kind = fields.get("llama.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": _f32(fields["llama.rope.scaling.factor"])}
+    optional = {
+        "original_max_position_embeddings": "llama.rope.scaling.original_context_length",
+        "attention_factor": "llama.rope.scaling.attn_factor",
+        "beta_fast": "llama.rope.scaling.yarn_beta_fast",
+        "beta_slow": "llama.rope.scaling.yarn_beta_slow",
+    }
+    scaling.update({hf: fields[key] for hf, key in optional.items() if key in fields})
+    return scaling
+
+
+def _hf_name(name: str) -> str:
+    """Map a llama.cpp tensor name to its HF Llama name."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        # e.g. rope_freqs.weight (Llama 3.1 rope scaling), which has no HF tensor.
+        raise NotImplementedError(f"GGUF tensor {name!r} has no HF Llama equivalent")
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.weight"
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """Return one GGUF tensor as float32 in HF layout ([out, in] for matrices)."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in SUPPORTED_TYPES:
+        raise NotImplementedError(
+            f"GGUF tensor {tensor.name!r} has type {qtype.name}; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.asarray(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+
+
+def _unpermute(name: str, weight: np.ndarray, config: dict) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation, which interleaves each head's rotary pairs."""
+    if name.endswith("q_proj.weight"):
+        heads = config["num_attention_heads"]
+    elif name.endswith("k_proj.weight"):
+        heads = config["num_key_value_heads"]
+    else:
+        return weight
+    out, inp = weight.shape
+    # GGUF rows per head are (pair index, member); HF's rotate-half wants (member, pair index).
+    return weight.reshape(heads, out // heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)

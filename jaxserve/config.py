@@ -1,0 +1,147 @@
+"""Configs: the model's shape (read from a Hugging Face config.json) and the engine's knobs.
+
+Every config is a frozen dataclass validated in `__post_init__`; the CLI flags map onto the
+fields of `EngineConfig` one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-architecture decoder, parsed from an HF `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_attention_heads={self.num_heads} must be a multiple of "
+                 f"num_key_value_heads={self.num_kv_heads}")
+        _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Reads the fields we need from a Hugging Face config dict (transformers 4 or 5 style)."""
+        from jaxserve.models.registry import family_of  # the registry knows the per-family flags
+
+        architecture = (hf.get("architectures") or ["?"])[0]
+        family = family_of(architecture)
+        heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy_scaling = hf.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = _parse_rope_scaling({**legacy_scaling, **rope})
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
+            o_bias=bool(hf.get("attention_bias", False)) and not family.qkv_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family.qk_norm,
+            rope_scaling=scaling,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    _require(kind == "llama3", f"rope scaling type {kind!r} is not supported; supported: 'default', 'llama3'")
+    return RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights. `None` means: derive it at load time."""
+
+    model: str | None = None              # HF dir, .gguf file, jaxserve.convert dir; None: embedded SmolLM2
+    dtype: str = "auto"                   # auto: float32 on CPU, bfloat16 on TPU/GPU
+    max_model_len: int | None = None      # default: the model's context length
+    page_size: int = 16                   # tokens per KV page
+    kv_cache_gb: float = 1.0              # KV pool size, when num_pages is not given
+    num_pages: int | None = None          # exact KV pool size in pages (tests), overrides kv_cache_gb
+    max_num_seqs: int = 32                # sequences per step
+    max_num_batched_tokens: int = 512     # tokens per step (prefill chunks + decodes)
+    prefill_chunk: int = 64               # query tokens per prefill segment in the attention layout
+    attention_backend: str = "xla"
+    seed: int = 0                         # seeds requests that give no seed of their own
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
+        _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+                 f"page_size={self.page_size} must be a power of two >= 1")
+        _require(self.kv_cache_gb > 0, f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        _require(self.num_pages is None or self.num_pages >= 2,
+                 f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved for padding)")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        _require(self.max_model_len is None or self.max_model_len >= 1,
+                 f"max_model_len={self.max_model_len} must be >= 1")
+        _require(self.prefill_chunk >= 1 and self.prefill_chunk & (self.prefill_chunk - 1) == 0,
+                 f"prefill_chunk={self.prefill_chunk} must be a power of two >= 1")
+        _require(self.max_num_batched_tokens >= self.prefill_chunk,
+                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                 f"prefill_chunk={self.prefill_chunk}")
+        _require(self.attention_backend in ("xla",),
+                 f"attention_backend={self.attention_backend!r} is not one of ('xla',)")
+
+    def pages_per_seq(self, max_model_len: int) -> int:
+        return math.ceil(max_model_len / self.page_size)

@@ -1,0 +1,117 @@
+"""Turns a `SchedulerOutput` into the padded arrays of one step, for one compiled shape (bucket).
+
+Packed token layout, `T = Gd + Gp * segment`:
+  [0, Gd)   one token for each sequence computing a single token (decodes), then padding
+  [Gd, T)   `Gp` segments of `segment` tokens; each multi-token chunk fills whole segments,
+            its last one padded
+Logit rows, `S = Gd + Gp`: one per decode slot, then one per prefill sequence that samples.
+Padding tokens sit at position -1 and write their K/V into the reserved page 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from flax import struct
+
+from jaxserve.engine.sampler import SamplingTensors, sampling_tensors
+from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.models.layers.attention import AttentionMetadata, QueryGroup
+
+
+@struct.dataclass
+class StepInput:
+    token_ids: np.ndarray          # [T] int32
+    attention: AttentionMetadata
+    logits_index: np.ndarray       # [S] int32: packed index of each scored token
+    sampling: SamplingTensors      # [S] rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    num_decode: int      # Gd
+    num_segments: int    # Gp
+
+    def num_tokens(self, segment: int) -> int:
+        return self.num_decode + self.num_segments * segment
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """Fixed sizes of every step's arrays."""
+
+    page_size: int
+    segment: int              # prefill queries per attention segment
+    pages_per_chunk: int      # pages visited per attention loop iteration
+    table_width: int          # block table entries per row, a multiple of pages_per_chunk
+
+    def needs(self, output: SchedulerOutput) -> Bucket:
+        """The smallest sizes that hold this step: decode slots and prefill segments."""
+        decode = sum(1 for s in output.sequences if s.num_tokens == 1)
+        segments = sum(math.ceil(s.num_tokens / self.segment) for s in output.sequences if s.num_tokens > 1)
+        return Bucket(decode, segments)
+
+    def num_chunks(self, kv_len: int) -> int:
+        return math.ceil(kv_len / (self.pages_per_chunk * self.page_size))
+
+    def build(self, output: SchedulerOutput, bucket: Bucket) -> tuple[StepInput, list[str | None]]:
+        """Arrays for `bucket`, and the request id sampled at each logit row (None: padding)."""
+        gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
+        num_tokens = bucket.num_tokens(seg)
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.full(num_tokens, -1, np.int32)
+        slots = np.arange(num_tokens, dtype=np.int32) % ps  # padding writes into page 0
+        decode = _GroupArrays(gd, 1, self.table_width, pad_index=num_tokens)
+        prefill = _GroupArrays(gp, seg, self.table_width, pad_index=num_tokens)
+        logits_index = np.zeros(gd + gp, np.int32)
+        row_ids: list[str | None] = [None] * (gd + gp)
+        row_params: list[tuple | None] = [None] * (gd + gp)
+        next_prefill_row = gd
+        for s in output.sequences:
+            table = np.asarray(s.block_table, np.int32)
+            pos = s.start_position + np.arange(s.num_tokens, dtype=np.int32)
+            kv_chunks = self.num_chunks(s.start_position + s.num_tokens)
+            if s.num_tokens == 1:
+                row = decode.used
+                at = decode.add(np.array([row]), table, kv_chunks)
+            else:
+                at = prefill.add(gd + prefill.used * seg + np.arange(s.num_tokens), table, kv_chunks)
+                row = next_prefill_row
+                next_prefill_row += s.samples
+            token_ids[at] = s.token_ids
+            positions[at] = pos
+            slots[at] = table[pos // ps] * ps + pos % ps
+            if s.samples:
+                logits_index[row] = at[-1]
+                row_ids[row] = s.request_id
+                row_params[row] = (s.params, s.seed, s.num_output_tokens)
+        attention = AttentionMetadata(positions=positions, slot_mapping=slots,
+                                      decode=decode.group(), prefill=prefill.group())
+        return StepInput(token_ids, attention, logits_index, sampling_tensors(row_params, gd + gp)), row_ids
+
+
+class _GroupArrays:
+    """Host arrays of one attention group, filled segment by segment."""
+
+    def __init__(self, num_rows: int, row_len: int, table_width: int, pad_index: int):
+        self.token_index = np.full((num_rows, row_len), pad_index, np.int32)
+        self.block_tables = np.zeros((num_rows, table_width), np.int32)
+        self.num_chunks = 0
+        self.used = 0
+
+    def add(self, packed_index: np.ndarray, table: np.ndarray, kv_chunks: int) -> np.ndarray:
+        """Places one sequence's queries (packed indices) in as many rows as they need."""
+        row_len = self.token_index.shape[1]
+        rows = -(-len(packed_index) // row_len)
+        flat = self.token_index[self.used:self.used + rows].reshape(-1)
+        flat[:len(packed_index)] = packed_index
+        self.token_index[self.used:self.used + rows] = flat.reshape(rows, row_len)
+        self.block_tables[self.used:self.used + rows, :len(table)] = table
+        self.num_chunks = max(self.num_chunks, kv_chunks)
+        self.used += rows
+        return packed_index
+
+    def group(self) -> QueryGroup:
+        return QueryGroup(self.token_index, self.block_tables, np.int32(self.num_chunks))

@@ -1,0 +1,205 @@
+"""`LLMEngine`: requests in, one step at a time, outputs back.
+
+`step()` is the whole loop: the scheduler picks this step's sequences and token counts, the
+runner computes them on the device and samples, the scheduler advances the requests and frees
+the pages of finished ones, and each sample's text is extended (stop strings applied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from jaxserve.checkpoint.loader import LoadedModel, load_model
+from jaxserve.config import EngineConfig
+from jaxserve.engine import kv_pages as kv_pool
+from jaxserve.engine.output import CompletionOutput, RequestOutput, SampleText
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.request import FinishReason, Request
+from jaxserve.engine.runner import Runner
+from jaxserve.engine.sampler import row_seed
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Group:
+    """A client request: its prompt and its `n` samples (one `Request` each)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Request]
+    texts: list[SampleText]
+    error: str | None = None
+
+    def output(self, request_id: str) -> RequestOutput:
+        outputs = [
+            CompletionOutput(i, text.text, list(sample.output_token_ids),
+                             sample.finish_reason.value if sample.finish_reason else None)
+            for i, (sample, text) in enumerate(zip(self.samples, self.texts))]
+        finished = all(s.is_finished for s in self.samples)
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.error)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None,
+                 progress: Callable[[int, int], None] | None = None):
+        self.config = config
+        self.model = model or load_model(config.model, config.dtype)
+        self.tokenizer = self.model.tokenizer
+        self.max_model_len = self._max_model_len()
+        pages = kv_pool.num_pages(config, self.model.config, self.model.dtype, self.max_model_len)
+        self.allocator = PageAllocator(pages, config.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk),
+            self.allocator)
+        self.runner = Runner(self.model, pages, config.page_size, self.max_model_len, config.max_num_seqs,
+                             config.max_num_batched_tokens, config.prefill_chunk)
+        self.eos_token_ids = self._eos_token_ids()
+        self._groups: dict[str, _Group] = {}
+        self._seeds = random.Random(config.seed)
+        self._ids = itertools.count()
+        log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB)", pages - 1, config.page_size,
+                 (pages - 1) * config.page_size,
+                 pages * kv_pool.bytes_per_page(self.model.config, config.page_size, self.model.dtype) / 2**30)
+        started = time.perf_counter()
+        self.runner.warm_up(progress)
+        log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets), time.perf_counter() - started)
+
+    def _max_model_len(self) -> int:
+        limit = self.model.config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's context length {limit}")
+        return wanted
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a prompt (text or token ids); returns its id. Raises InvalidRequestError."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        samples, texts = [], []
+        for i in range(params.n):
+            sample = Request(
+                request_id=f"{request_id}/{i}", prompt_token_ids=list(token_ids), params=params,
+                seed=base_seed if params.n == 1 else row_seed(base_seed, -1 - i),
+                max_total_tokens=len(token_ids) + max_tokens, eos_token_ids=self.eos_token_ids)
+            samples.append(sample)
+            texts.append(SampleText(self.tokenizer, params.stop, params.skip_special_tokens))
+            self.scheduler.add(sample)
+        self._groups[request_id] = _Group(text, list(token_ids), samples, texts)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            text = prompt
+        else:
+            token_ids, text = [int(t) for t in prompt], None
+            bad = [t for t in token_ids if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary "
+                                                    f"[0, {self.model.config.vocab_size})")
+        if not token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty: give at least one token")
+        return text, token_ids
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+        """The request's max_tokens, after checking it fits the context."""
+        if prompt_len >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {prompt_len} tokens, but max_model_len is {self.max_model_len} "
+                          f"(prompt + at least one output token must fit)")
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                "max_tokens", f"max_tokens={params.max_tokens} plus the prompt's {prompt_len} tokens exceeds "
+                              f"max_model_len={self.max_model_len}; at most {room} new tokens fit")
+        return params.max_tokens or room
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancels a request; its pages go back to the pool at once."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for sample, text in zip(group.samples, group.texts):
+            if not sample.is_finished:
+                self.scheduler.abort(sample.request_id)
+                text.finish()
+        return group.output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + device step; outputs of the requests that moved forward."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        try:
+            sampled = self.runner.execute(output)
+        except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
+            return self._fail_step(output, error)
+        advanced = self.scheduler.update(output, sampled)
+        return self._outputs({r.request_id for r in advanced}, sampled)
+
+    def _outputs(self, sample_ids: set[str], sampled: dict[str, int]) -> list[RequestOutput]:
+        results = []
+        for request_id, group in list(self._groups.items()):
+            touched = False
+            for sample, text in zip(group.samples, group.texts):
+                if sample.request_id not in sample_ids:
+                    continue
+                touched = True
+                if text.add(sampled[sample.request_id]) and not sample.is_finished:
+                    self.scheduler.abort(sample.request_id, FinishReason.STOP)
+                if sample.is_finished:
+                    text.finish()
+            if touched:
+                results.append(group.output(request_id))
+                if results[-1].finished:
+                    del self._groups[request_id]
+        return results
+
+    def _fail_step(self, output, error: Exception) -> list[RequestOutput]:
+        """Fails the requests of a step that raised (all running ones if the pool was lost)."""
+        log.exception("engine step failed: %s", error)
+        failed = {s.request_id for s in output.sequences}
+        if self.runner.pool_is_lost():
+            failed |= {r.request_id for r in self.scheduler.running}
+            self.runner.reset_pool()
+        results = []
+        for request_id, group in list(self._groups.items()):
+            if any(s.request_id in failed for s in group.samples):
+                for sample in group.samples:
+                    self.scheduler.abort(sample.request_id, FinishReason.ERROR)
+                group.error = f"engine step failed: {type(error).__name__}: {error}"
+                results.append(group.output(request_id))
+                del self._groups[request_id]
+        return results

@@ -1,0 +1,38 @@
+"""Sizing and allocating the device KV pool (layout: `jaxserve.models.layers.attention.KVPages`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.models.layers.attention import KVPages
+
+
+def bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:
+    """K and V of `page_size` tokens in every layer."""
+    return 2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: int) -> int:
+    """Pool size in pages (page 0 included); fails if one max-length sequence cannot fit."""
+    if config.num_pages is not None:
+        pages = config.num_pages
+        source = f"num_pages={pages}"
+    else:
+        pages = int(config.kv_cache_gb * 2**30 // bytes_per_page(model, config.page_size, dtype))
+        source = f"kv_cache_gb={config.kv_cache_gb} ({pages} pages)"
+    needed = math.ceil(max_model_len / config.page_size) + 1
+    if pages < needed:
+        raise ValueError(
+            f"the KV pool is too small: {source} holds {max(pages - 1, 0) * config.page_size} tokens, but one "
+            f"sequence of max_model_len={max_model_len} needs {needed - 1} pages of {config.page_size} "
+            f"tokens plus the reserved page 0 ({needed} pages, "
+            f"{needed * bytes_per_page(model, config.page_size, dtype) / 2**30:.3f} GiB)")
+    return pages
+
+
+def allocate(model: ModelConfig, pages: int, page_size: int, dtype) -> KVPages:
+    shape = (model.num_layers, pages, page_size, model.num_kv_heads, model.head_dim)
+    return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

@@ -1,0 +1,80 @@
+"""What the engine returns for a request, and the per-sample text: detokenised, stop strings applied.
+
+Text that might be the start of a stop string is held back until it resolves, so no client ever
+sees a piece of a stop string; when one completes, the text ends just before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample. `text` and `token_ids` are cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # None while running; "stop", "length", "abort" or "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None          # set with finish_reason "error"
+
+
+class SampleText:
+    """Text of one sample, grown token by token."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._stop = stop
+        self._held = ""
+        self.text = ""
+
+    def add(self, token_id: int) -> bool:
+        """Adds a token's text; True if a stop string completed (the text then ends before it)."""
+        return self._release(self._detokenizer.add(token_id), final=False)
+
+    def finish(self) -> None:
+        """Releases whatever was held back: the sample ended for another reason."""
+        self._release(self._detokenizer.flush(), final=True)
+
+    def _release(self, piece: str, final: bool) -> bool:
+        pending = self._held + piece
+        if not self._stop:
+            self.text += pending
+            self._held = ""
+            return False
+        hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.text += pending[:min(hits)]
+            self._held = ""
+            return True
+        keep = 0 if final else _longest_stop_prefix_suffix(pending, self._stop)
+        self.text += pending[:len(pending) - keep]
+        self._held = pending[len(pending) - keep:]
+        return False
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop.startswith(text[-length:]):
+                longest = length
+                break
+    return longest

@@ -1,0 +1,77 @@
+"""One sequence being generated: its tokens, how far the KV cache has computed them, its state."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the context length
+    ABORT = "abort"      # the client went away or asked to cancel
+    ERROR = "error"      # the engine step failed
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A sequence. Its KV cache holds `num_computed_tokens` of `token_ids`; the rest is to compute.
+
+    There is no prefill or decode phase: a new request has everything to compute, a decoding one
+    has exactly one token (its last sample) left.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                       # resolved: the params' seed or one the engine drew
+    max_total_tokens: int           # prompt + output may not exceed this (the context length)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """token ids [start, stop) of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+
+    def append_token(self, token: int) -> None:
+        """Records a sampled token and finishes the request if it is a stopping one."""
+        self.output_token_ids.append(token)
+        num_out = len(self.output_token_ids)
+        p = self.params
+        if num_out >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            self.finish(FinishReason.STOP)
+        elif (p.max_tokens is not None and num_out >= p.max_tokens) or self.num_tokens >= self.max_total_tokens:
+            self.finish(FinishReason.LENGTH)

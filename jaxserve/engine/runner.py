@@ -1,0 +1,89 @@
+"""Runs scheduled steps on the device: owns the weights, the KV pool and the compiled programs.
+
+The runner makes no policy decisions. It picks the smallest compiled shape (bucket) that holds a
+step, builds that step's arrays and calls the jitted step, whose KV pool is donated and returned.
+Every bucket is compiled at start-up (`warm_up`), so serving never compiles.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import math
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxserve.engine import kv_pages as kv_pool
+from jaxserve.engine.batch import BatchLayout, Bucket
+from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.step import compile_forward, compile_step
+from jaxserve.models.layers.attention import XlaPagedAttention
+
+log = logging.getLogger(__name__)
+
+KV_CHUNK_TOKENS = 256  # context visited per attention loop iteration
+
+
+def _sizes(limit: int) -> list[int]:
+    """0, then powers of two below `limit`, then `limit`."""
+    powers = [2**i for i in range(max(limit, 1).bit_length()) if 2**i < limit]
+    return [0] + powers + [limit]
+
+
+class Runner:
+    def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, prefill_segment: int):
+        self.model = model
+        pages_per_chunk = max(1, KV_CHUNK_TOKENS // page_size)
+        table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
+        self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width)
+        self.decode_sizes = _sizes(max_num_seqs)
+        self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
+        self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype)
+        attention = XlaPagedAttention(pages_per_chunk)
+        self._step = compile_step(model.graphdef, attention)
+        self._forward = compile_forward(model.graphdef, attention)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [Bucket(d, p) for d, p in itertools.product(self.decode_sizes, self.segment_sizes) if d or p]
+
+    def bucket_for(self, output: SchedulerOutput) -> Bucket:
+        need = self.layout.needs(output)
+        decode = self.decode_sizes[bisect.bisect_left(self.decode_sizes, need.num_decode)]
+        segments = self.segment_sizes[bisect.bisect_left(self.segment_sizes, need.num_segments)]
+        return Bucket(decode, segments)
+
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Compiles the step for every bucket."""
+        buckets = self.buckets
+        for i, bucket in enumerate(buckets):
+            batch, _ = self.layout.build(SchedulerOutput(()), bucket)
+            self._step.lower(self.model.params, self.kv_pages, batch).compile()
+            if progress:
+                progress(i + 1, len(buckets))
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Runs one step; returns the token sampled for each sequence whose chunk reached its end."""
+        batch, row_ids = self.layout.build(output, self.bucket_for(output))
+        tokens, self.kv_pages = self._step(self.model.params, self.kv_pages, batch)
+        tokens = np.asarray(tokens)
+        return {request_id: int(tokens[row]) for row, request_id in enumerate(row_ids) if request_id}
+
+    def logits(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
+        """Runs one step and returns, instead of tokens, the logits of each sampling sequence."""
+        batch, row_ids = self.layout.build(output, self.bucket_for(output))
+        logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, batch)
+        logits = np.asarray(logits)
+        return {request_id: logits[row] for row, request_id in enumerate(row_ids) if request_id}
+
+    def pool_is_lost(self) -> bool:
+        """True when a failed step consumed the donated pool."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages))
+
+    def reset_pool(self) -> None:
+        k = self.kv_pages.k
+        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[1], k.shape[2], self.model.dtype)

@@ -1,0 +1,39 @@
+"""The one typed hand-off from the scheduler to the runner: what to compute in this step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """`token_ids` are computed at positions `start_position ...`; the pages are the whole table."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_table: tuple[int, ...]
+    samples: bool                 # the chunk reaches the sequence's end, so a token is sampled
+    params: SamplingParams
+    seed: int
+    num_output_tokens: int        # outputs so far: the sample's index, folded into its seed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    sequences: tuple[ScheduledSequence, ...]
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences

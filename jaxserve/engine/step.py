@@ -1,0 +1,35 @@
+"""The one jitted function of a serving step: model forward, then sampling, with the pool donated."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+from jaxserve.engine.batch import StepInput
+from jaxserve.engine.sampler import sample
+from jaxserve.models.layers.attention import AttentionBackend, KVPages
+
+
+def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.State, kv_pages: KVPages,
+            batch: StepInput) -> tuple[jax.Array, KVPages]:
+    """(logits [S, vocab] float32, kv_pages with the step's K/V written)."""
+    model = nnx.merge(graphdef, params)
+    return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention)
+
+
+def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[jax.Array, KVPages]:
+    """(next tokens [S] int32, kv_pages)."""
+    logits, kv_pages = forward(graphdef, attention, params, kv_pages, batch)
+    return sample(logits, batch.sampling), kv_pages
+
+
+def compile_step(graphdef, attention):
+    """`step(params, kv_pages, batch)` jitted with the pool donated: written in place, never copied."""
+    return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,))
+
+
+def compile_forward(graphdef, attention):
+    """Like `compile_step` but returning the logits (tests, logprobs)."""
+    return jax.jit(functools.partial(forward, graphdef, attention), donate_argnums=(1,))

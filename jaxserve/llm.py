@@ -1,0 +1,72 @@
+"""`LLM`: the offline API. Give it prompts, get completions; batching happens inside."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.output import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+def _progress_bar(description: str):
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=description, unit="shape")
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update
+
+
+class LLM:
+    """`LLM(model=None, **engine_config)`; `model=None` is the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, *, show_progress: bool = True, **config):
+        self.engine = LLMEngine(EngineConfig(model=model, **config),
+                                progress=_progress_bar("compiling") if show_progress else None)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Completes every prompt (text, or token ids); outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        while len(done) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             **kwargs) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)

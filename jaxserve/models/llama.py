@@ -1,0 +1,114 @@
+"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in Flax NNX.
+
+All layers' weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so a
+program compiles in about the time of one layer whatever the depth. Weights are created abstractly
+(`nnx.eval_shape`) and filled from a checkpoint; nothing here initialises random weights.
+Linear weights are stored `[in, out]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
+from jaxserve.models.layers.norm import rms_norm
+from jaxserve.models.layers.rope import apply_rope, inverse_frequencies
+
+
+def _param(shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def _maybe(flag: bool, shape: tuple[int, ...], dtype) -> nnx.Param | None:
+    return _param(shape, dtype) if flag else None
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm block: attention over the paged KV pool, then a SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        d, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.cfg = cfg
+        self.input_norm = _param((d,), dtype)
+        self.q_proj = _param((d, q_dim), dtype)
+        self.k_proj = _param((d, kv_dim), dtype)
+        self.v_proj = _param((d, kv_dim), dtype)
+        self.o_proj = _param((q_dim, d), dtype)
+        self.q_bias = _maybe(cfg.qkv_bias, (q_dim,), dtype)
+        self.k_bias = _maybe(cfg.qkv_bias, (kv_dim,), dtype)
+        self.v_bias = _maybe(cfg.qkv_bias, (kv_dim,), dtype)
+        self.o_bias = _maybe(cfg.o_bias, (d,), dtype)
+        self.q_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
+        self.k_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
+        self.post_attention_norm = _param((d,), dtype)
+        self.gate_proj = _param((d, cfg.intermediate_size), dtype)
+        self.up_proj = _param((d, cfg.intermediate_size), dtype)
+        self.down_proj = _param((cfg.intermediate_size, d), dtype)
+        self.gate_bias = _maybe(cfg.mlp_bias, (cfg.intermediate_size,), dtype)
+        self.up_bias = _maybe(cfg.mlp_bias, (cfg.intermediate_size,), dtype)
+        self.down_bias = _maybe(cfg.mlp_bias, (d,), dtype)
+
+    def __call__(self, x, kv_pages: KVPages, layer, meta: AttentionMetadata,
+                 attention: AttentionBackend):
+        """x [T, hidden] -> ([T, hidden], kv_pages with this layer's new K/V written)."""
+        cfg = self.cfg
+        h = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
+        q = _linear(h, self.q_proj, self.q_bias).reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = _linear(h, self.k_proj, self.k_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = _linear(h, self.v_proj, self.v_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        attn, kv_pages = attention(q, k, v, kv_pages, layer, meta)
+        x = x + _linear(attn.reshape(attn.shape[0], -1), self.o_proj, self.o_bias)
+
+        h = rms_norm(x, self.post_attention_norm[...], cfg.rms_norm_eps)
+        gate = _linear(h, self.gate_proj, self.gate_bias)
+        up = _linear(h, self.up_proj, self.up_bias)
+        x = x + _linear(jax.nn.silu(gate) * up, self.down_proj, self.down_bias)
+        return x, kv_pages
+
+
+def _linear(x, kernel: nnx.Param, bias: nnx.Param | None):
+    y = x @ kernel[...]
+    return y if bias is None else y + bias[...]
+
+
+class Llama(nnx.Module):
+    """Embedding, `num_layers` stacked decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.vmap(lambda: DecoderLayer(cfg, dtype), axis_size=cfg.num_layers)()
+        self.final_norm = _param((cfg.hidden_size,), dtype)
+        self.lm_head = _maybe(not cfg.tie_word_embeddings, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def __call__(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, logits_index,
+                 attention: AttentionBackend):
+        """token_ids [T] int32, logits_index [S] int32 (rows to score) -> (logits [S, vocab] f32, kv_pages)."""
+        x = self.embed[...][token_ids]
+        layer_graph, layer_weights = nnx.split(self.layers)
+
+        def run_layer(carry, weights_and_index):
+            x, kv_pages = carry
+            weights, index = weights_and_index
+            x, kv_pages = nnx.merge(layer_graph, weights)(x, kv_pages, index, meta, attention)
+            return (x, kv_pages), None
+
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids))
+        x = rms_norm(x[logits_index], self.final_norm[...], self.cfg.rms_norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (x @ head).astype(jnp.float32), kv_pages
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and a state of `ShapeDtypeStruct`s to fill from a checkpoint."""
+    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype)))

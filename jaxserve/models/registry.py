@@ -1,0 +1,29 @@
+"""Which Hugging Face architectures jaxserve runs, and the per-family switches of the Llama decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    qkv_bias: bool = False  # bias on q/k/v projections even without `attention_bias` (Qwen2)
+    qk_norm: bool = False   # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(),          # Llama 2/3, SmolLM2
+    "MistralForCausalLM": Family(),        # without sliding window
+    "Qwen2ForCausalLM": Family(qkv_bias=True),
+    "Qwen3ForCausalLM": Family(qk_norm=True),
+}
+
+
+def family_of(architecture: str) -> Family:
+    """The family switches for an HF `architectures` name; unknown names list the supported ones."""
+    try:
+        return FAMILIES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        ) from None

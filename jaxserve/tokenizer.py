@@ -1,0 +1,64 @@
+"""Load a model's tokenizer and turn streamed token ids back into text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+# Tokens decoded before the first new one, so that the first piece gets the spacing it has mid-text.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer(model_path: str | Path):
+    """Return the tokenizer of a `.gguf` file or of an HF model directory."""
+    model_path = Path(model_path)
+    if model_path.suffix == ".gguf":
+        from jaxserve.checkpoint.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text pieces as soon as they are final.
+
+    Only a window of recent tokens is decoded per step: text is emitted from `read_offset` on,
+    and the tokens from `prefix_offset` to `read_offset` give it context. Text ending in U+FFFD
+    is an incomplete UTF-8 character and is held back until later tokens complete it.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Append token ids; return the text they finalised (possibly empty)."""
+        self.ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        prefix_text, new_text = self._window_texts()
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        return self._advance(new_text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """Return whatever text is still held back (the request has ended)."""
+        prefix_text, new_text = self._window_texts()
+        return self._advance(new_text[len(prefix_text):])
+
+    def _window_texts(self) -> tuple[str, str]:
+        """Decode the context tokens alone, and the context plus the unread tokens."""
+        return self._decode(self.ids[self.prefix_offset:self.read_offset]), self._decode(self.ids[self.prefix_offset:])
+
+    def _decode(self, ids: list[int]) -> str:
+        """Decode `ids` the way the contract's full `tokenizer.decode` does."""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, piece: str) -> str:
+        """Mark every token so far as read and return `piece`."""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return piece
