@@ -81,7 +81,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=_context_length(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
             o_bias=bool(hf.get("attention_bias", False)) and not family.qkv_bias,
@@ -91,6 +91,15 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _context_length(hf: dict[str, Any]) -> int:
+    # Without sliding-window attention, results are exact only within one window: cap there.
+    length = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True):
+        length = min(length, window)
+    return length
 
 
 def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
@@ -121,7 +130,7 @@ class EngineConfig:
     num_pages: int | None = None          # exact KV pool size in pages (tests), overrides kv_cache_gb
     max_num_seqs: int = 32                # sequences per step
     max_num_batched_tokens: int = 512     # tokens per step (prefill chunks + decodes)
-    prefill_chunk: int = 64               # query tokens per prefill segment in the attention layout
+    prefill_chunk: int = 16               # query tokens per prefill segment in the attention layout
     attention_backend: str = "xla"
     seed: int = 0                         # seeds requests that give no seed of their own
 

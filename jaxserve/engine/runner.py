@@ -24,23 +24,26 @@ from jaxserve.models.layers.attention import XlaPagedAttention
 
 log = logging.getLogger(__name__)
 
-KV_CHUNK_TOKENS = 256  # context visited per attention loop iteration
+KV_CHUNK_TOKENS = 256  # default context visited per attention loop iteration
 
 
-def _sizes(limit: int) -> list[int]:
-    """0, then powers of two below `limit`, then `limit`."""
-    powers = [2**i for i in range(max(limit, 1).bit_length()) if 2**i < limit]
+SMALLEST_DECODE_BUCKET = 8  # a CPU reads the weights once for 1 row or 8: no point in smaller
+
+
+def _sizes(limit: int, smallest: int = 1) -> list[int]:
+    """0, then powers of two from `smallest` below `limit`, then `limit`."""
+    powers = [2**i for i in range(max(limit, 1).bit_length()) if smallest <= 2**i < limit]
     return [0] + powers + [limit]
 
 
 class Runner:
     def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefill_segment: int):
+                 max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS):
         self.model = model
-        pages_per_chunk = max(1, KV_CHUNK_TOKENS // page_size)
+        pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width)
-        self.decode_sizes = _sizes(max_num_seqs)
+        self.decode_sizes = _sizes(max_num_seqs, SMALLEST_DECODE_BUCKET)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
         self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype)
         attention = XlaPagedAttention(pages_per_chunk)

@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI-compatible and plain endpoints over an `AsyncEngine` (`app.create_app`)."""

@@ -1,0 +1,358 @@
+"""`AsyncEngine`: an `LLMEngine` driven by its own thread, with one async stream per request.
+
+`LLMEngine` is not thread-safe, so only the engine thread touches it. The event loop hands it
+work through a thread-safe command queue (add, abort, stop) that the thread drains between
+steps; the thread posts each step's outputs back with `loop.call_soon_threadsafe`, all of a
+step's outputs in one callback. A stream whose consumer goes away (a client disconnect cancels
+its handler) sends an abort, which the thread applies before the next step, so the request's
+pages are back in the pool within one step.
+
+Admission is two-phase: `add_request` returns only once the engine thread has accepted the
+request, so a request the engine rejects raises to the caller before anything is streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.output import RequestOutput
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no requests now (loading, draining, stopped)."""
+
+
+class QueueFullError(RuntimeError):
+    """More sequences are waiting than `max_queue` allows."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (an exception in its step)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The scheduler's state after the latest step; sequences, not requests (n samples count n)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0     # fraction of usable KV pages in use
+
+
+class RequestObserver(Protocol):
+    """Told about each request's progress, on the event loop (metrics)."""
+
+    def prompt_tokens(self, count: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def new_tokens(self, count: int, seconds_since_last: float | None) -> None: ...
+    def finished(self, finish_reasons: list[str], seconds: float) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, each cumulative; iterate with `async for`.
+
+    `close()` (also on leaving `async with`) aborts the request if it has not finished.
+    """
+
+    def __init__(self, request_id: str, num_samples: int, abort: Callable[[str], None],
+                 observer: RequestObserver | None):
+        self.request_id = request_id
+        self.num_samples = num_samples
+        self.finished = False
+        self._abort = abort
+        self._observer = observer
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._arrival = self._last = time.monotonic()
+        self._num_tokens: int | None = None   # None until the first output
+        self._done = False                    # the consumer has seen the final output
+
+    def put(self, output: RequestOutput, when: float) -> None:
+        self.finished = output.finished
+        self._observe(output, when)
+        self._queue.put_nowait(output)
+
+    def _observe(self, output: RequestOutput, when: float) -> None:
+        if self._observer is None:
+            return
+        total = sum(len(o.token_ids) for o in output.outputs)
+        if self._num_tokens is None:
+            self._observer.prompt_tokens(len(output.prompt_token_ids))
+            if total:
+                self._observer.first_token(when - self._arrival)
+                self._observer.new_tokens(total, None)
+        elif total > self._num_tokens:
+            self._observer.new_tokens(total - self._num_tokens, when - self._last)
+        self._num_tokens, self._last = total, when
+        if output.finished:
+            reasons = ["error"] * self.num_samples if output.error else [
+                o.finish_reason or "abort" for o in output.outputs]
+            self._observer.finished(reasons, when - self._arrival)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        self._done = output.finished
+        if output.error:
+            raise RequestFailedError(output.error)
+        return output
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+            if self._observer is not None:
+                self._observer.finished(["abort"] * self.num_samples, time.monotonic() - self._arrival)
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    """Serves an `LLMEngine` (or builds one with `build()` on its thread, so that loading and
+    compiling do not block the event loop)."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queue: int | None = None,
+                 observer: RequestObserver | None = None):
+        self._build = engine if callable(engine) and not isinstance(engine, LLMEngine) else (lambda: engine)
+        self.engine: LLMEngine | None = None
+        self.max_queue = max_queue
+        self.observer = observer
+        self.state = EngineState.LOADING
+        self.stats = EngineStats()
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._pending = 0           # sequences sent to the thread, not yet in `stats`
+        self._ids = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+
+    def loaded(self) -> LLMEngine:
+        """The engine, for read-only facts (tokenizer, max_model_len); raises while it is loading."""
+        if self.engine is None:
+            raise EngineUnavailableError(f"the engine is {self.state.value}")
+        return self.engine
+
+    # ---- lifecycle (event loop side) ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the engine thread; returns at once (see `wait_ready`)."""
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+            self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Waits for the engine to be built; raises what building it raised."""
+        await self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    async def drain(self, timeout: float) -> None:
+        """Takes no new requests; lets running ones finish for `timeout` seconds, then aborts the rest."""
+        if self.state is EngineState.READY:
+            self.state = EngineState.DRAINING
+        self._idle.clear()
+        if self._streams:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("aborting %d requests still running after %.0f s", len(self._streams), timeout)
+        for request_id in list(self._streams):
+            self._commands.put(("abort", request_id))
+
+    async def stop(self) -> None:
+        """Stops the engine thread (after `drain`, or aborting whatever still runs)."""
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+        self.state = EngineState.STOPPED
+
+    # ---- requests (event loop side) -------------------------------------------------------
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str | None = None) -> RequestStream:
+        """Queues a request; raises InvalidRequestError, QueueFullError or EngineUnavailableError."""
+        if self.state is not EngineState.READY:
+            raise EngineUnavailableError(f"the engine is {self.state.value}")
+        if self.max_queue is not None and self.stats.num_waiting + self._pending >= self.max_queue:
+            raise QueueFullError(f"{self.stats.num_waiting + self._pending} sequences are waiting "
+                                 f"(--max-queue={self.max_queue})")
+        if request_id is None:
+            self._ids += 1
+            request_id = f"req-{self._ids}"
+        elif request_id in self._streams:
+            raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
+        stream = RequestStream(request_id, params.n, self._send_abort, self.observer)
+        self._streams[request_id] = stream
+        accepted = self._loop.create_future()
+        self._pending += params.n
+        self._commands.put(("add", request_id, prompt, params, accepted))
+        try:
+            await asyncio.shield(accepted)
+        except asyncio.CancelledError:
+            stream.close()  # the engine may still accept it: abort it right after
+            raise
+        except Exception:
+            self._forget(request_id)
+            raise
+        return stream
+
+    def _send_abort(self, request_id: str) -> None:
+        self._forget(request_id)
+        self._commands.put(("abort", request_id))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    # ---- callbacks posted by the engine thread (run on the event loop) ----------------------
+
+    def _post(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _on_built(self, error: BaseException | None) -> None:
+        self.error = error
+        self.state = EngineState.FAILED if error else EngineState.READY
+        self._ready.set()
+
+    def _on_added(self, accepted: asyncio.Future, num_seqs: int, error: Exception | None,
+                  stats: EngineStats) -> None:
+        self._pending -= num_seqs
+        self.stats = stats
+        if accepted.done():
+            return
+        if error is None:
+            accepted.set_result(None)
+        else:
+            accepted.set_exception(error)
+
+    def _on_crashed(self, message: str) -> None:
+        self.state = EngineState.FAILED
+        for request_id, stream in list(self._streams.items()):
+            stream.put(RequestOutput(request_id, None, [], [], True, message), time.monotonic())
+            self._forget(request_id)
+
+    def _on_outputs(self, outputs: list[RequestOutput], when: float, stats: EngineStats) -> None:
+        self.stats = stats
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted by its consumer: nobody reads it
+            stream.put(output, when)
+            if output.finished:
+                self._forget(output.request_id)
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as error:  # noqa: BLE001 - reported to whoever awaits wait_ready
+            self._post(self._on_built, error)
+            return
+        self._post(self._on_built, None)
+        live: set[str] = set()
+        try:
+            while self._handle_commands(live, block=not live):
+                if live:
+                    self._step(live)
+        except BaseException as error:  # noqa: BLE001 - a bug outside a step: fail loudly, not hang
+            log.exception("engine thread crashed")
+            self._post(self._on_crashed, f"engine thread crashed: {type(error).__name__}: {error}")
+
+    def _handle_commands(self, live: set[str], block: bool) -> bool:
+        """Applies queued commands (waiting for one if `block`); False once told to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command[0] == "stop":
+                for request_id in list(live):
+                    self.engine.abort(request_id)
+                return False
+            if command[0] == "add":
+                self._add(live, *command[1:])
+            else:
+                self._abort(live, command[1])
+
+    def _add(self, live: set[str], request_id: str, prompt, params: SamplingParams,
+             accepted: asyncio.Future) -> None:
+        error = None
+        try:
+            self.engine.add_request(prompt, params, request_id)
+            live.add(request_id)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it (InvalidRequestError: a 400)
+            error = exc
+        self._post(self._on_added, accepted, params.n, error, self._stats())
+
+    def _abort(self, live: set[str], request_id: str) -> None:
+        live.discard(request_id)
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._post(self._on_outputs, [output], time.monotonic(), self._stats())
+
+    def _step(self, live: set[str]) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - fail what was in flight, keep serving
+            log.exception("engine step raised")
+            outputs = self._fail_all(live, f"engine step failed: {type(error).__name__}: {error}")
+        for output in outputs:
+            if output.finished:
+                live.discard(output.request_id)
+        self._post(self._on_outputs, outputs, time.monotonic(), self._stats())
+
+    def _fail_all(self, live: set[str], message: str) -> list[RequestOutput]:
+        failed = []
+        for request_id in list(live):
+            try:
+                output = self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine's state is suspect; report the request anyway
+                output = None
+            output = output or RequestOutput(request_id, None, [], [], True)
+            failed.append(dataclasses.replace(output, finished=True, error=message))
+        return failed
+
+    def _stats(self) -> EngineStats:
+        scheduler, allocator = self.engine.scheduler, self.engine.allocator
+        used = allocator.num_usable_pages - allocator.num_free_pages
+        return EngineStats(len(scheduler.running), len(scheduler.waiting),
+                           used / max(allocator.num_usable_pages, 1))

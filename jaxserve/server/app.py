@@ -1,0 +1,162 @@
+"""The HTTP server: `create_app` wires the endpoints, errors, API key and metrics around an engine.
+
+The engine runs in its own thread (`AsyncEngine`); the app starts it with the server and drains it
+on shutdown. Serve an app with `start_server`, which turns on handler cancellation: a client that
+disconnects cancels its handler, and that aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.metadata
+import logging
+import time
+
+from aiohttp import web
+
+from jaxserve.engine.async_engine import (
+    AsyncEngine, EngineState, EngineUnavailableError, QueueFullError, RequestFailedError)
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.errors import InvalidRequestError
+from jaxserve.server.config import ServerConfig, model_name
+from jaxserve.server.errors import APIError
+from jaxserve.server.generate_api import generate
+from jaxserve.server.metrics import Metrics
+from jaxserve.server.openai_api import chat_completions, completions
+from jaxserve.server.openai_protocol import Health, ModelCard, ModelList
+from jaxserve.server.openapi import ENDPOINTS, openapi_document
+from jaxserve.server.serving import CONTEXT, ServerContext, json_response
+
+log = logging.getLogger(__name__)
+
+METRICS = web.AppKey("jaxserve_metrics", Metrics)
+OPENAPI = web.AppKey("jaxserve_openapi", dict)
+_OPEN_PATHS = {e.path for e in ENDPOINTS if e.open}
+
+
+def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.Application:
+    """An aiohttp app serving `engine` (an `LLMEngine` is wrapped in an `AsyncEngine`)."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    async_engine.max_queue = config.max_queue
+    name = _served_name(engine, config)
+    metrics = Metrics(name, lambda: async_engine.stats)
+    async_engine.observer = metrics
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[_error_middleware, _auth_middleware(config.api_key)])
+    app[CONTEXT] = ServerContext(async_engine, config, name, int(time.time()))
+    app[METRICS] = metrics
+    app[OPENAPI] = openapi_document("jaxserve", importlib.metadata.version("jaxserve"), with_api_key=config.api_key is not None)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_drain_engine)
+    app.on_cleanup.append(_stop_engine)
+    return app
+
+
+def _served_name(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    built = engine if isinstance(engine, LLMEngine) else engine.engine
+    if built is None:
+        raise ValueError("served_model_name is needed when the engine is not built yet")
+    return model_name(built.config.model)
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serves `app` on host:port (0: a free port); returns the runner (`await runner.cleanup()`
+    drains and stops) and the port."""
+    drain = app[CONTEXT].config.drain_timeout_s
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain + 5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]
+
+
+# ---- lifecycle -------------------------------------------------------------------------------
+
+async def _start_engine(app: web.Application) -> None:
+    await app[CONTEXT].engine.start()
+
+
+async def _drain_engine(app: web.Application) -> None:
+    await app[CONTEXT].engine.drain(app[CONTEXT].config.drain_timeout_s)
+
+
+async def _stop_engine(app: web.Application) -> None:
+    await app[CONTEXT].engine.stop()
+
+
+# ---- middlewares -----------------------------------------------------------------------------
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-shaped JSON error."""
+    try:
+        return await handler(request)
+    except APIError as error:
+        return error.response()
+    except InvalidRequestError as error:
+        return APIError(400, str(error), error.param, "invalid_value").response()
+    except (QueueFullError, EngineUnavailableError) as error:
+        retry = str(request.app[CONTEXT].config.retry_after_s)
+        return APIError(503, str(error), None, "unavailable", {"Retry-After": retry}).response()
+    except RequestFailedError as error:
+        return APIError(500, str(error), None, "engine_error").response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return APIError(error.status, error.text or error.reason, None, error.reason.lower().replace(" ", "_"),
+                        {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None).response()
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as error:  # noqa: BLE001 - a bug: log it, answer 500, keep serving
+        log.exception("handler failed")
+        return APIError(500, f"internal error: {type(error).__name__}", None, "internal_error").response()
+
+
+def _auth_middleware(api_key: str | None):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if api_key is not None and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                reason = "wrong API key" if given else "missing API key (send 'Authorization: Bearer KEY')"
+                raise APIError(401, f"{reason}", None, "invalid_api_key")
+        return await handler(request)
+
+    return check_key
+
+
+# ---- small endpoints -------------------------------------------------------------------------
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[CONTEXT].engine.state
+    if state is not EngineState.READY:
+        raise EngineUnavailableError(f"the engine is {state.value}")
+    return json_response(Health(status=state.value))
+
+
+async def _models(request: web.Request) -> web.Response:
+    context = request.app[CONTEXT]
+    card = ModelCard(id=context.model_name, created=context.started,
+                     max_model_len=context.engine.loaded().max_model_len)
+    return json_response(ModelList(data=[card]))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS]
+    return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])

@@ -1,0 +1,53 @@
+"""The server's own settings (the engine's are `jaxserve.config.EngineConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def default_compile_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return str(Path(base) / "jaxserve" / "jax-compile-cache")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = None  # the name clients pass as `model`; default: the model file's
+    host: str = "127.0.0.1"
+    port: int = 8000                      # 0: any free port
+    api_key: str | None = None            # if set, every endpoint but /health wants `Authorization: Bearer KEY`
+    max_queue: int = 256                  # waiting sequences beyond which new requests get 503
+    max_n: int = 8                        # most samples per request
+    max_body_bytes: int = 1 << 20         # larger request bodies get 413
+    drain_timeout_s: float = 30.0         # on shutdown, how long running requests may finish
+    retry_after_s: int = 1                # the Retry-After of a 503
+    log_level: str = "info"
+    compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)  # "": no cache
+
+    def __post_init__(self):
+        _require(0 <= self.port < 65536, f"port={self.port} must be in [0, 65535]")
+        _require(self.max_queue >= 1, f"max_queue={self.max_queue} must be >= 1")
+        _require(self.max_n >= 1, f"max_n={self.max_n} must be >= 1")
+        _require(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+        _require(self.drain_timeout_s >= 0, f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
+        _require(self.retry_after_s >= 0, f"retry_after_s={self.retry_after_s} must be >= 0")
+        _require(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r} is not one of {LOG_LEVELS}")
+
+
+def model_name(model: str | None) -> str:
+    """The default served name of a model path (the embedded model when None)."""
+    if model is None:
+        from jaxserve.checkpoint.default_model import GGUF_IN_PACKAGE
+
+        model = GGUF_IN_PACKAGE
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name

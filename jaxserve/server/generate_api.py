@@ -1,0 +1,38 @@
+"""`POST /generate`: the plain API (one prompt, its samples' text and token ids)."""
+
+from __future__ import annotations
+
+import uuid
+
+from aiohttp import web
+
+from jaxserve.server.openai_protocol import (
+    GenerateChunk, GenerateOutput, GenerateRequest, GenerateResponse, GenerateStreamOutput)
+from jaxserve.server.serving import (
+    CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body, sampling_params,
+    usage)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    context = request.app[CONTEXT]
+    body = await parse_body(request, GenerateRequest)
+    params = sampling_params(body, body.max_tokens, context.config.max_n)
+    streams = await admit(context.engine, [body.prompt], params, f"gen-{uuid.uuid4().hex}")
+    if body.stream:
+        return await _stream(request, streams, params.n)
+    [output] = await final_outputs(streams)
+    outputs = [GenerateOutput(index=c.index, output_text=c.text, token_ids=c.token_ids,
+                              finish_reason=c.finish_reason) for c in output.outputs]
+    return json_response(GenerateResponse(outputs=outputs, usage=usage([output])))
+
+
+async def _stream(request: web.Request, streams, n: int) -> web.StreamResponse:
+    deltas = TextDeltas(n)
+    async with EventStream(request) as events:
+        async for _, output in merged(streams):
+            moved = deltas.updates(0, output)
+            if moved:
+                await events.send(GenerateChunk(outputs=[
+                    GenerateStreamOutput(index=i, output_text=text, finish_reason=reason)
+                    for i, text, reason in moved]))
+    return events.response

@@ -1,0 +1,87 @@
+"""The OpenAPI 3.1 description of the server, built from the protocol models.
+
+Pydantic writes JSON Schema 2020-12, which is OpenAPI 3.1's schema dialect, so the models go in
+as they are. `tests/test_server_fuzz.py` keeps this document true: every route is described, and
+schemathesis checks the server's replies against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from jaxserve.server import openai_protocol as protocol
+
+_ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 413: "Body too large",
+           500: "The engine failed the request", 503: "Loading, draining, or the queue is full"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str
+    summary: str
+    reply: type[BaseModel] | str            # a model (JSON), or a media type with a string body
+    body: type[BaseModel] | None = None
+    chunk: type[BaseModel] | None = None     # streamed (`stream: true`) as server-sent events
+    errors: tuple[int, ...] = (401, 503)
+    open: bool = False                       # no API key needed
+
+
+ENDPOINTS = (
+    Endpoint("post", "/generate", "Generate from one prompt", protocol.GenerateResponse,
+             protocol.GenerateRequest, protocol.GenerateChunk, (400, 401, 413, 500, 503)),
+    Endpoint("post", "/v1/completions", "OpenAI completions", protocol.CompletionResponse,
+             protocol.CompletionRequest, protocol.CompletionResponse, (400, 401, 413, 500, 503)),
+    Endpoint("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionResponse,
+             protocol.ChatCompletionRequest, protocol.ChatCompletionChunk, (400, 401, 413, 500, 503)),
+    Endpoint("get", "/v1/models", "The served model", protocol.ModelList),
+    Endpoint("get", "/health", "200 when ready, 503 while loading or draining", protocol.Health, errors=(503,),
+             open=True),
+    Endpoint("get", "/metrics", "Prometheus metrics", "text/plain", errors=(401,)),
+    Endpoint("get", "/openapi.json", "This document", "application/json", errors=(401,)),
+)
+
+
+def openapi_document(title: str, version: str, with_api_key: bool) -> dict:
+    bodies = {e.body for e in ENDPOINTS}
+    models = {m for e in ENDPOINTS for m in (e.body, e.chunk, e.reply) if isinstance(m, type)}
+    refs, schemas = models_json_schema(
+        [(m, "validation" if m in bodies else "serialization") for m in sorted(models, key=str)]
+        + [(protocol.ErrorResponse, "serialization")], ref_template="#/components/schemas/{model}")
+    ref = {model: value for (model, _), value in refs.items()}
+    paths: dict = {}
+    for endpoint in ENDPOINTS:
+        paths.setdefault(endpoint.path, {})[endpoint.method] = _operation(endpoint, ref, with_api_key)
+    document = {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+                "components": {"schemas": schemas.get("$defs", {})}}
+    if with_api_key:
+        document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"apiKey": []}]
+    return document
+
+
+def _operation(endpoint: Endpoint, ref: dict, with_api_key: bool) -> dict:
+    if isinstance(endpoint.reply, str):
+        content = {endpoint.reply: {"schema": {"type": "object"} if "json" in endpoint.reply
+                                    else {"type": "string"}}}
+    else:
+        content = {"application/json": {"schema": ref[endpoint.reply]}}
+    if endpoint.chunk is not None:
+        content["text/event-stream"] = {"schema": {
+            "type": "string", "description": f"`data: {{{endpoint.chunk.__name__}}}` events, then `data: [DONE]`"}}
+    responses = {"200": {"description": "OK", "content": content}}
+    for status in endpoint.errors:
+        if status == 401 and not with_api_key:
+            continue
+        responses[str(status)] = {"description": _ERRORS[status],
+                                  "content": {"application/json": {"schema": ref[protocol.ErrorResponse]}}}
+    operation = {"summary": endpoint.summary, "responses": responses}
+    if endpoint.body is not None:
+        operation["requestBody"] = {"required": True,
+                                    "content": {"application/json": {"schema": ref[endpoint.body]}}}
+    if endpoint.open and with_api_key:
+        operation["security"] = []
+    return operation

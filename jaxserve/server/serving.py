@@ -1,0 +1,193 @@
+"""What every generation endpoint does: parse the body, admit its requests, collect or stream them.
+
+A request's streams are closed (their requests aborted) whenever the handler leaves early: a
+client that disconnects cancels its handler (the server runs with handler cancellation), and a
+failed write raises out of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from jaxserve.engine.output import RequestOutput
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.errors import APIError, validation_error
+from jaxserve.server.openai_protocol import SamplingFields, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerContext:
+    """What the handlers share; stored in the app under `CONTEXT`."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    started: int                  # Unix time the app was made (the model's `created`)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"model={model!r} is not served here; the served model is {self.model_name!r}",
+                           "model", "model_not_found")
+
+
+CONTEXT = web.AppKey("jaxserve_context", ServerContext)
+
+
+async def parse_body(request: web.Request, model: type[BaseModel]):
+    """The JSON body validated as `model`; APIError 400 on malformed JSON or an invalid field."""
+    raw = await request.read()  # raises 413 past the app's client_max_size
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise APIError(400, f"the body is not valid JSON: {error}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, not {type(data).__name__}", None, "invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error, model) from None
+    if hasattr(body, "unsupported"):
+        body.unsupported()
+    return body
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, max_n: int) -> SamplingParams:
+    n = body.n or 1
+    if n > max_n:
+        raise InvalidRequestError("n", f"n={n} is out of range: must be in [1, {max_n}] (--max-n)")
+    return body.sampling_params(max_tokens)
+
+
+async def admit(engine: AsyncEngine, prompts: Sequence[str | list[int]], params: SamplingParams,
+                request_id: str) -> list[RequestStream]:
+    """One engine request per prompt; all or none (the admitted ones are aborted if one fails)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            suffix = f"-{i}" if len(prompts) > 1 else ""
+            streams.append(await engine.add_request(prompt, params, request_id + suffix))
+    except BaseException:
+        close_all(streams)
+        raise
+    return streams
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Waits for every stream to finish; returns the final outputs in order."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        output = None
+        async for output in stream:
+            pass
+        return output
+
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    finally:
+        close_all(streams)
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from all streams, as they come."""
+    pending = {asyncio.ensure_future(anext(s, None)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                output = task.result()
+                if output is not None:
+                    pending[asyncio.ensure_future(anext(streams[i], None))] = i
+                    yield i, output
+    finally:
+        for task in pending:
+            task.cancel()
+        close_all(streams)
+
+
+class TextDeltas:
+    """Turns cumulative outputs into per-choice pieces: choice index = prompt index * n + sample."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._sent: dict[int, int] = {}      # choice -> characters sent
+        self._finished: set[int] = set()
+
+    def updates(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, str, str | None]]:
+        """(choice, new text, finish reason or None) for each choice that moved."""
+        moved = []
+        for sample in output.outputs:
+            choice = prompt_index * self.n + sample.index
+            if choice in self._finished:
+                continue
+            new = sample.text[self._sent.get(choice, 0):]
+            if new or sample.finish_reason:
+                self._sent[choice] = len(sample.text)
+                moved.append((choice, new, sample.finish_reason))
+                if sample.finish_reason:
+                    self._finished.add(choice)
+        return moved
+
+
+def json_response(model: BaseModel) -> web.Response:
+    return web.Response(text=model.model_dump_json(), content_type="application/json")
+
+
+def usage(outputs: Sequence[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class EventStream:
+    """A `text/event-stream` reply: `data: {json}` events, closed by `data: [DONE]`."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache"})
+
+    async def __aenter__(self) -> "EventStream":
+        await self.response.prepare(self.request)
+        return self
+
+    async def send(self, payload: BaseModel | dict) -> None:
+        text = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+        await self.response.write(f"data: {text}\n\n".encode())
+
+    async def __aexit__(self, error_type, error, traceback) -> bool:
+        if isinstance(error, (ConnectionError, asyncio.CancelledError)):
+            return False  # the client is gone: nothing more to write
+        with contextlib.suppress(ConnectionError):
+            if error is not None:
+                await self.send({"error": _stream_error(error).info().model_dump()})
+            await self.response.write(b"data: [DONE]\n\n")
+            await self.response.write_eof()
+        return isinstance(error, Exception)
+
+
+def _stream_error(error: Exception) -> APIError:
+    """The error event of a stream whose status line (200) has gone out already."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, RequestFailedError):
+        return APIError(500, str(error), None, "engine_error")
+    log.error("streaming handler failed", exc_info=error)
+    return APIError(500, f"internal error: {type(error).__name__}", None, "internal_error")

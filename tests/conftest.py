@@ -1,0 +1,75 @@
+"""Shared fixtures: a persistent compile cache, tiny random HF checkpoints, the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import pytest
+
+from jaxserve.checkpoint.default_model import default_model_path
+from jaxserve.checkpoint.loader import load_model
+from jaxserve.tokenizer import load_tokenizer
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.1)
+
+# name -> (transformers config class, model class, config overrides)
+VARIANTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "smollm2_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Engines built twice with the same shapes compile once."""
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def write_tiny_model(directory: pathlib.Path, variant: str, tokenizer, **overrides):
+    """Saves a random-weight HF checkpoint (safetensors + config + tokenizer); returns the torch model."""
+    import torch
+    import transformers
+
+    config_name, model_name, variant_overrides = VARIANTS[variant]
+    config = getattr(transformers, config_name)(**{**TINY, **variant_overrides, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2_tokenizer):
+    """variant -> (checkpoint dir, torch model), built on first use."""
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            directory = tmp_path_factory.mktemp(variant)
+            cache[variant] = (directory, write_tiny_model(directory, variant, smollm2_tokenizer))
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct, loaded once (float32)."""
+    return load_model(None, "float32")

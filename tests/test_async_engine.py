@@ -1,0 +1,225 @@
+"""AsyncEngine: the engine thread, per-request streams, abort, failures, queue limit, drain."""
+
+import asyncio
+import time
+
+import pytest
+
+from jaxserve.engine.async_engine import (
+    AsyncEngine, EngineState, EngineUnavailableError, QueueFullError, RequestFailedError)
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import SamplingParams
+from server_fixtures import pool_is_full, tiny_engine  # noqa: F401 - fixture
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def run(engine, scenario, **kwargs):
+    """Runs `scenario(async_engine)` on a fresh event loop with the engine thread started."""
+    async def main():
+        async_engine = AsyncEngine(engine, **kwargs)
+        await async_engine.start()
+        await async_engine.wait_ready()
+        try:
+            return await scenario(async_engine)
+        finally:
+            await async_engine.drain(timeout=5)
+            await async_engine.stop()
+    return asyncio.run(main())
+
+
+def sync_generate(engine, prompt, params):
+    request_id = engine.add_request(prompt, params)
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
+
+
+async def collect(stream):
+    return [output async for output in stream]
+
+
+def slow_steps(monkeypatch, engine, seconds):
+    execute = engine.runner.execute
+
+    def slow(output):
+        time.sleep(seconds)
+        return execute(output)
+
+    monkeypatch.setattr(engine.runner, "execute", slow)
+
+
+def test_stream_is_cumulative_and_matches_a_synchronous_run(tiny_engine):
+    expected = sync_generate(tiny_engine, "The sea is", GREEDY)
+
+    async def scenario(engine):
+        return await collect(await engine.add_request("The sea is", GREEDY))
+
+    outputs = run(tiny_engine, scenario)
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert all(a == b[:len(a)] for a, b in zip(tokens, tokens[1:])), "each output extends the previous"
+    assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert outputs[-1].outputs[0].text == expected.outputs[0].text
+    assert pool_is_full(tiny_engine)
+
+
+def test_n_samples_share_one_stream(tiny_engine):
+    async def scenario(engine):
+        return await collect(await engine.add_request("Once", SamplingParams(n=3, max_tokens=5, seed=7)))
+
+    final = run(tiny_engine, scenario)[-1]
+    assert [o.index for o in final.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in final.outputs)
+
+
+def test_invalid_request_raises_before_streaming_and_engine_keeps_serving(tiny_engine):
+    async def scenario(engine):
+        with pytest.raises(InvalidRequestError, match=r"200 tokens.*max_model_len is 128"):
+            await engine.add_request([5] * 200, GREEDY)
+        return await collect(await engine.add_request("ok", GREEDY))
+
+    assert run(tiny_engine, scenario)[-1].outputs[0].finish_reason == "length"
+
+
+def test_close_aborts_within_one_step(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.1)
+
+    async def scenario(engine):
+        stream = await engine.add_request("Long", SamplingParams(max_tokens=100))
+        await anext(stream)
+        await anext(stream)
+        assert not pool_is_full(tiny_engine)
+        stream.close()
+        closed = time.monotonic()
+        while not pool_is_full(tiny_engine):
+            await asyncio.sleep(0.005)
+        return time.monotonic() - closed
+
+    assert run(tiny_engine, scenario) < 0.25  # one 0.1 s step in flight, then the abort
+
+
+def test_cancelled_consumer_aborts(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.05)
+
+    async def scenario(engine):
+        async def consume():
+            async with await engine.add_request("Long", SamplingParams(max_tokens=100)) as stream:
+                async for _ in stream:
+                    pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        deadline = time.monotonic() + 1
+        while not pool_is_full(tiny_engine) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return pool_is_full(tiny_engine), engine.stats.num_running
+
+    assert run(tiny_engine, scenario) == (True, 0)
+
+
+def test_runner_failure_fails_that_request_only(tiny_engine, monkeypatch):
+    execute = tiny_engine.runner.execute
+    calls = []
+
+    def fail_once(output):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device on fire")
+        return execute(output)
+
+    monkeypatch.setattr(tiny_engine.runner, "execute", fail_once)
+
+    async def scenario(engine):
+        with pytest.raises(RequestFailedError, match="device on fire"):
+            await collect(await engine.add_request("x", GREEDY))
+        return await collect(await engine.add_request("y", GREEDY))
+
+    assert run(tiny_engine, scenario)[-1].outputs[0].finish_reason == "length"
+    assert pool_is_full(tiny_engine)
+
+
+def test_exception_escaping_step_fails_in_flight_requests_and_serving_goes_on(tiny_engine, monkeypatch):
+    schedule = tiny_engine.scheduler.schedule
+    calls = []
+
+    def fail_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("scheduler bug")
+        return schedule(*args)
+
+    monkeypatch.setattr(tiny_engine.scheduler, "schedule", fail_third)
+
+    async def scenario(engine):
+        streams = [await engine.add_request(p, GREEDY) for p in ("a", "b")]
+        for stream in streams:
+            with pytest.raises(RequestFailedError, match="scheduler bug"):
+                await collect(stream)
+        return await collect(await engine.add_request("c", GREEDY))
+
+    assert run(tiny_engine, scenario)[-1].finished
+    assert pool_is_full(tiny_engine) and not tiny_engine.has_unfinished_requests()
+
+
+def test_queue_limit(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.05)
+
+    async def scenario(engine):
+        # 8 samples fill the batch (max_num_seqs=8); the next request waits, the one after is refused.
+        busy = await engine.add_request("busy", SamplingParams(n=8, max_tokens=50))
+        await anext(busy)  # scheduled: running now, not waiting
+        waiting = await engine.add_request("wait", GREEDY)
+        with pytest.raises(QueueFullError, match="1 sequences are waiting"):
+            await engine.add_request("refused", GREEDY)
+        busy.close()
+        return (await collect(waiting))[-1]
+
+    assert run(tiny_engine, scenario, max_queue=1).finished
+
+
+def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_engine):
+    async def scenario(engine):
+        stream = await engine.add_request("drain me", GREEDY)
+        drained = asyncio.create_task(engine.drain(timeout=30))
+        await asyncio.sleep(0)
+        assert engine.state is EngineState.DRAINING
+        with pytest.raises(EngineUnavailableError):
+            await engine.add_request("late", GREEDY)
+        outputs = await collect(stream)
+        await drained
+        return outputs[-1]
+
+    final = run(tiny_engine, scenario)
+    assert final.outputs[0].finish_reason == "length" and len(final.outputs[0].token_ids) == 12
+
+
+def test_drain_timeout_aborts_what_is_left(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.05)
+
+    async def scenario(engine):
+        stream = await engine.add_request("forever", SamplingParams(max_tokens=120))
+        await engine.drain(timeout=0.2)
+        return await collect(stream)
+
+    final = run(tiny_engine, scenario)[-1]
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 120
+    assert pool_is_full(tiny_engine)
+
+
+def test_engine_built_on_its_thread_and_build_errors_surface():
+    def build():
+        raise FileNotFoundError("no such model")
+
+    async def scenario():
+        engine = AsyncEngine(build)
+        await engine.start()
+        with pytest.raises(FileNotFoundError, match="no such model"):
+            await engine.wait_ready()
+        assert engine.state is EngineState.FAILED
+        with pytest.raises(EngineUnavailableError):
+            await engine.add_request("x", GREEDY)
+        await engine.stop()
+
+    asyncio.run(scenario())

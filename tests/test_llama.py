@@ -1,0 +1,66 @@
+"""Logits parity with Hugging Face transformers for every supported family, through the paged path."""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve.checkpoint.loader import load_model
+from jaxserve.engine.runner import Runner
+from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from jaxserve.engine.step import compile_forward
+from jaxserve.models.layers.attention import XlaPagedAttention
+from jaxserve.sampling_params import SamplingParams
+
+from conftest import VARIANTS
+
+PAGE_SIZE = 4
+PROMPT_LEN = 37
+DECODE_STEPS = 16
+
+
+def _sequence(tokens, start, table, samples=True):
+    return ScheduledSequence("s", tuple(tokens), start, tuple(table), samples, SamplingParams(temperature=0), 0, 0)
+
+
+def _paged_logits(model, prompt, continuation):
+    """Prefill logits at every prompt position, then one logit row per decode step."""
+    runner = Runner(model, num_pages=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
+                    max_num_batched_tokens=64, prefill_segment=16, kv_chunk_tokens=8)
+    rng = np.random.default_rng(0)
+    total = len(prompt) + len(continuation)
+    table = rng.permutation(np.arange(1, 64))[: -(-total // PAGE_SIZE)].tolist()  # scattered pages
+    output = SchedulerOutput((_sequence(prompt, 0, table),))
+    batch, _ = runner.layout.build(output, runner.bucket_for(output))
+    gd = runner.bucket_for(output).num_decode
+    batch = batch.replace(logits_index=np.arange(gd, gd + len(prompt), dtype=np.int32))
+    forward = compile_forward(model.graphdef, XlaPagedAttention(runner.layout.pages_per_chunk))
+    prefill, runner.kv_pages = forward(model.params, runner.kv_pages, batch)
+    decoded = []
+    for i, token in enumerate(continuation):
+        step = SchedulerOutput((_sequence([token], len(prompt) + i, table),))
+        decoded.append(runner.logits(step)["s"])
+    return np.asarray(prefill), np.stack(decoded)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers(variant, tiny_models):
+    directory, hf_model = tiny_models(variant)
+    model = load_model(str(directory), "float32")
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, model.config.vocab_size, PROMPT_LEN).tolist()
+    with torch.no_grad():
+        generated = hf_model.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
+                                      min_new_tokens=DECODE_STEPS)[0].tolist()
+        reference = hf_model(torch.tensor([generated])).logits[0].numpy()
+    continuation = generated[PROMPT_LEN:]
+    prefill, decoded = _paged_logits(model, prompt, continuation)
+    np.testing.assert_allclose(prefill, reference[:PROMPT_LEN], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(decoded, reference[PROMPT_LEN:PROMPT_LEN + DECODE_STEPS], atol=1e-4, rtol=0)
+
+
+def test_variants_read_their_family_switches(tiny_models):
+    assert load_model(str(tiny_models("qwen2")[0]), "float32").config.qkv_bias
+    qwen3 = load_model(str(tiny_models("qwen3")[0]), "float32").config
+    assert qwen3.qk_norm and qwen3.head_dim == 24
+    assert load_model(str(tiny_models("smollm2_tied")[0]), "float32").config.tie_word_embeddings
+    assert load_model(str(tiny_models("llama3_rope")[0]), "float32").config.rope_scaling.factor == 8.0

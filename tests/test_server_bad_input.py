@@ -1,0 +1,155 @@
+"""Bad input gets an OpenAI-shaped JSON error naming the bad value; the server keeps serving."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+import requests
+
+from server_fixtures import serving, tiny_engine  # noqa: F401 - fixture
+
+KEY = {"Authorization": "Bearer secret"}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine):
+    with serving(tiny_engine, api_key="secret", max_queue=1, max_n=4, max_body_bytes=4096) as server:
+        yield server
+
+
+def check_error(reply, status: int, param, message: str):
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert message in error["message"], error["message"]
+    return error
+
+
+CASES = [
+    # path, body, status, param, words the message must contain
+    ("/v1/completions", b'{"prompt": "x",', 400, None, "not valid JSON"),
+    ("/v1/completions", b'["x"]', 400, None, "must be a JSON object"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature='hot'"),
+    ("/v1/completions", {"prompt": 3}, 400, "prompt", "prompt=3"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model", "model='gpt-4' is not served"),
+    ("/v1/completions", {"prompt": [5] * 200}, 400, "prompt", "200 tokens, but max_model_len is 128"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 is out of range: must be >= 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens", "at most 127 new tokens fit"),
+    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature", "temperature=2.5 is out of range: must be in [0, 2]"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature=-1 is out of range: must be in [0, 2]"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p=0 is out of range: must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p=1.5 is out of range: must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n=0 is out of range: must be >= 1"),
+    ("/v1/completions", {"prompt": "x", "n": 5}, 400, "n", "n=5 is out of range: must be in [1, 4]"),
+    ("/v1/completions", {"prompt": [60000]}, 400, "prompt", "token id 60000 is outside the vocabulary [0, 49152)"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "the prompt is empty"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "best_of=3 is not supported yet"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported yet"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.1}, 400, "repetition_penalty",
+     "repetition_penalty is not a supported parameter"),
+    ("/v1/completions", {"prompt": "x", "stop": ["ok", ""]}, 400, "stop", "stop strings must be non-empty"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens", "min_tokens=20"),
+    ("/v1/completions", {"prompt": "x", "seed": -5}, 400, "seed", "seed=-5 is out of range"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", "not valid Unicode"),
+    ("/v1/completions", {}, 400, "prompt", "prompt is required"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
+     "messages.0.role='robot'"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", "must be >= 1"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "not supported yet"),
+    ("/generate", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k=-2 is out of range: must be >= -1"),
+    ("/generate", {"prompt": "x", "min_p": 2}, 400, "min_p", "min_p=2 is out of range: must be in [0, 1]"),
+    ("/generate", {"prompt": "x" * 5000}, 413, None, "Maximum request body size 4096 exceeded"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,message", CASES, ids=[f"{c[0]}:{c[4][:40]}" for c in CASES])
+def test_bad_input(server, path, body, status, param, message):
+    data = body if isinstance(body, bytes) else None
+    reply = requests.post(f"{server.url}{path}", data=data, json=None if data else body, headers=KEY, timeout=30)
+    check_error(reply, status, param, message)
+
+
+def test_api_key(server):
+    body = {"prompt": "x", "max_tokens": 1}
+    check_error(requests.post(f"{server.url}/v1/completions", json=body, timeout=30), 401, None, "missing API key")
+    wrong = {"Authorization": "Bearer nope"}
+    check_error(requests.post(f"{server.url}/v1/completions", json=body, headers=wrong, timeout=30), 401, None,
+                "wrong API key")
+    check_error(requests.get(f"{server.url}/v1/models", timeout=30), 401, None, "missing API key")
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert requests.post(f"{server.url}/v1/completions", json=body, headers=KEY, timeout=30).status_code == 200
+
+
+def test_unknown_path_and_wrong_method_are_json(server):
+    check_error(requests.get(f"{server.url}/v2/nothing", headers=KEY, timeout=30), 404, None, "Not Found")
+    check_error(requests.get(f"{server.url}/v1/completions", headers=KEY, timeout=30), 405, None,
+                "Method Not Allowed")
+
+
+def test_full_queue_is_503_with_retry_after(server, tiny_engine, monkeypatch):
+    execute = tiny_engine.runner.execute
+    monkeypatch.setattr(tiny_engine.runner, "execute", lambda output: (time.sleep(0.02), execute(output))[1])
+    stats = server.async_engine
+
+    async def scenario():
+        async with aiohttp.ClientSession(headers=KEY) as session:
+            async def stream(n):
+                body = {"prompt": "x", "n": n, "max_tokens": 100, "ignore_eos": True, "stream": True}
+                async with session.post(f"{server.url}/generate", json=body) as reply:
+                    async for _ in reply.content:
+                        pass
+            busy = []
+            for running in (4, 8):  # one at a time: with max_queue=1, 4 sequences waiting is too many
+                busy.append(asyncio.create_task(stream(4)))
+                await until(lambda: stats.stats.num_running == running)
+            busy.append(asyncio.create_task(stream(1)))
+            await until(lambda: stats.stats.num_waiting == 1)
+            async with session.post(f"{server.url}/generate", json={"prompt": "x"}) as reply:
+                result = reply.status, reply.headers.get("Retry-After"), await reply.json()
+            for task in busy:
+                task.cancel()
+            return result
+
+    status, retry_after, body = asyncio.run(scenario())
+    assert status == 503 and retry_after == "1"
+    assert "1 sequences are waiting (--max-queue=1)" in body["error"]["message"]
+
+
+async def until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_engine_step_failure_is_500_and_the_next_request_is_served(server, tiny_engine, monkeypatch):
+    execute = tiny_engine.runner.execute
+    failures = iter([True, True])
+
+    def fail_twice(output):
+        if next(failures, False):
+            raise RuntimeError("device on fire")
+        return execute(output)
+
+    monkeypatch.setattr(tiny_engine.runner, "execute", fail_twice)
+    body = {"prompt": "x", "max_tokens": 3}
+    error = check_error(requests.post(f"{server.url}/v1/completions", json=body, headers=KEY, timeout=30), 500,
+                        None, "device on fire")
+    assert error["type"] == "server_error"
+    events = requests.post(f"{server.url}/v1/completions", json={**body, "stream": True}, headers=KEY, timeout=30)
+    assert events.status_code == 200
+    *_, last, done = [line[len("data: "):] for line in events.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(last)["error"]["code"] == "engine_error" and "device on fire" in last
+    assert done == "[DONE]"
+    assert requests.post(f"{server.url}/v1/completions", json=body, headers=KEY, timeout=30).status_code == 200
+
+
+def test_still_serving_after_all_that(server):
+    reply = requests.post(f"{server.url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4},
+                          headers=KEY, timeout=30)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1

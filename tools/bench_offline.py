@@ -1,0 +1,98 @@
+"""Offline throughput: replays a workload through `LLM.generate` (and, with --compare-hf, through
+Hugging Face transformers one request at a time in the same run) and prints a table.
+
+    python tools/bench_offline.py --workload ../shared/workloads/anchor-64.jsonl [--compare-hf] [--limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def read_workload(path: str, limit: int | None) -> list[dict]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def bench_jaxserve(rows, args) -> dict:
+    from jaxserve import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype)
+    startup = time.perf_counter() - started
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in rows]
+    prompts = [r["prompt_token_ids"] for r in rows]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"system": "jaxserve", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
+            "prompt_tokens": sum(len(p) for p in prompts)}
+
+
+def bench_hf(rows, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.checkpoint.default_model import default_model_path
+
+    path = default_model_path()
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    startup = time.perf_counter() - started
+    generated = 0
+    started = time.perf_counter()
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_token_ids"]])
+            out = model.generate(ids, max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"],
+                                 do_sample=False)
+            generated += out.shape[1] - ids.shape[1]
+    elapsed = time.perf_counter() - started
+    return {"system": "transformers", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
+            "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in rows)}
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'system':<14}{'requests':>9}{'prompt tok':>11}{'output tok':>11}{'time s':>9}{'out tok/s':>11}"
+          f"{'startup s':>10}")
+    for r in results:
+        r["output_tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
+        print(f"{r['system']:<14}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
+              f"{r['elapsed_s']:>9.1f}{r['output_tokens_per_s']:>11.1f}{r['startup_s']:>10.1f}")
+    if len(results) == 2:
+        print(f"\njaxserve / transformers: {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--compare-hf", action="store_true", help="also run transformers, one request at a time")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    rows = read_workload(args.workload, args.limit)
+    results = [bench_jaxserve(rows, args)]
+    if args.compare_hf:
+        results.append(bench_hf(rows, args))
+    for r in results:
+        r["requests"] = len(rows)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
