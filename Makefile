@@ -20,6 +20,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
+serve: $(STAMP)
+	$(PY) -m jaxserve.serve
+
 generate: $(STAMP)
 	$(PY) -m jaxserve.generate "$(or $(PROMPT),Write a haiku about the sea.)"
 

@@ -8,6 +8,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import chat_prompt_ids
 
 
 def _progress_bar(description: str):
@@ -64,9 +65,5 @@ class LLM:
              **kwargs) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        prompts = [chat_prompt_ids(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)

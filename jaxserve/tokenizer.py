@@ -62,3 +62,9 @@ class IncrementalDetokenizer:
         """Mark every token so far as read and return `piece`."""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return piece
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(i) for i in ids]

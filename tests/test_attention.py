@@ -33,7 +33,7 @@ def test_matches_dense_attention(heads, kv_heads, page_size, seed):
     dim, num_pages, segment = 16, 256, 8
     layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64)
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
-    k_pool = rng.normal(size=(2, num_pages, page_size, kv_heads, dim)).astype(np.float32)
+    k_pool = rng.normal(size=(2, kv_heads, num_pages, page_size, dim)).astype(np.float32)
     v_pool = rng.normal(size=k_pool.shape).astype(np.float32)
     layer = 1
     sequences, new_q, new_k, new_v, expected = [], [], [], [], []
@@ -45,8 +45,8 @@ def test_matches_dense_attention(heads, kv_heads, page_size, seed):
         v = rng.normal(size=(kv_len, kv_heads, dim)).astype(np.float32)
         q = rng.normal(size=(q_len, heads, dim)).astype(np.float32)
         for pos in range(kv_len - q_len):              # the context is already in the pool
-            k_pool[layer, table[pos // page_size], pos % page_size] = k[pos]
-            v_pool[layer, table[pos // page_size], pos % page_size] = v[pos]
+            k_pool[layer, :, table[pos // page_size], pos % page_size] = k[pos]
+            v_pool[layer, :, table[pos // page_size], pos % page_size] = v[pos]
         sequences.append(ScheduledSequence(f"s{i}", (0,) * q_len, kv_len - q_len, tuple(table), True,
                                            SamplingParams(), 0, 0))
         new_q.append(q), new_k.append(k[kv_len - q_len:]), new_v.append(v[kv_len - q_len:])

@@ -57,7 +57,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], Any]:
         from jaxserve.checkpoint.gguf import load_gguf
 
         checkpoint = load_gguf(path)
-        return checkpoint.config, iter(checkpoint.tensors.items())
+        return checkpoint.config, list(checkpoint.tensors.items())
     from jaxserve.checkpoint.hf import iter_safetensors, read_hf_config
 
     return read_hf_config(path), iter_safetensors(path)

@@ -1,0 +1,23 @@
+"""The serving engine: how a request becomes tokens.
+
+    LLMEngine.add_request(prompt, SamplingParams)
+        tokenises, checks lengths, creates one `Request` per sample (n), queues them
+    LLMEngine.step()
+        Scheduler.schedule()   picks this step's sequences and how many tokens each computes,
+                               under max_num_seqs and max_num_batched_tokens; running requests
+                               first, then waiting ones; long prompts in chunks; asks the
+                               PageAllocator for pages, preempting the latest request if none
+                               are free -> one SchedulerOutput
+        Runner.execute()       picks the smallest compiled shape (bucket) that holds the step,
+                               builds its padded arrays (batch.py) and calls the jitted
+                               step(params, kv_pages, batch) -> (tokens, kv_pages), kv_pages
+                               donated: model forward over the paged KV pool, then sampling
+        Scheduler.update()     advances each request, appends its token, finishes and frees
+                               the pages of requests that hit EOS, a stop id or max_tokens
+        SampleText.add()       extends each sample's text; stop strings end it
+    -> RequestOutput per request that moved
+
+Host-side modules (request, page_allocator, scheduler, scheduler_output) use no JAX; device work
+is in batch (array layout), step, sampler and the models package. There are no prefill and decode
+phases: every request has `num_computed_tokens`, and a step computes some of what is left.
+"""

@@ -141,7 +141,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queue: int | None = None,
                  observer: RequestObserver | None = None):
-        self._build = engine if callable(engine) and not isinstance(engine, LLMEngine) else (lambda: engine)
+        self._build = (lambda: engine) if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = None
         self.max_queue = max_queue
         self.observer = observer
@@ -195,7 +195,9 @@ class AsyncEngine:
         """Stops the engine thread (after `drain`, or aborting whatever still runs)."""
         if self._thread is not None:
             self._commands.put(("stop",))
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            # A thread still building the engine cannot be interrupted; it is a daemon, leave it.
+            if self.state is not EngineState.LOADING:
+                await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
         self.state = EngineState.STOPPED
 
@@ -306,7 +308,7 @@ class AsyncEngine:
             block = False
             if command[0] == "stop":
                 for request_id in list(live):
-                    self.engine.abort(request_id)
+                    self._abort(live, request_id)
                 return False
             if command[0] == "add":
                 self._add(live, *command[1:])

@@ -63,8 +63,8 @@ class BatchLayout:
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.arange(num_tokens, dtype=np.int32) % ps  # padding writes into page 0
-        decode = _GroupArrays(gd, 1, self.table_width, pad_index=num_tokens)
-        prefill = _GroupArrays(gp, seg, self.table_width, pad_index=num_tokens)
+        decode = _GroupArrays(gd, 1, self.table_width)
+        prefill = _GroupArrays(gp, seg, self.table_width)
         logits_index = np.zeros(gd + gp, np.int32)
         row_ids: list[str | None] = [None] * (gd + gp)
         row_params: list[tuple | None] = [None] * (gd + gp)
@@ -75,9 +75,9 @@ class BatchLayout:
             kv_chunks = self.num_chunks(s.start_position + s.num_tokens)
             if s.num_tokens == 1:
                 row = decode.used
-                at = decode.add(np.array([row]), table, kv_chunks)
+                at = row + decode.add(1, table, kv_chunks)
             else:
-                at = prefill.add(gd + prefill.used * seg + np.arange(s.num_tokens), table, kv_chunks)
+                at = gd + prefill.used * seg + prefill.add(s.num_tokens, table, kv_chunks)
                 row = next_prefill_row
                 next_prefill_row += s.samples
             token_ids[at] = s.token_ids
@@ -93,25 +93,21 @@ class BatchLayout:
 
 
 class _GroupArrays:
-    """Host arrays of one attention group, filled segment by segment."""
+    """Block tables of one attention group's rows, filled row by row."""
 
-    def __init__(self, num_rows: int, row_len: int, table_width: int, pad_index: int):
-        self.token_index = np.full((num_rows, row_len), pad_index, np.int32)
+    def __init__(self, num_rows: int, row_len: int, table_width: int):
+        self.row_len = row_len
         self.block_tables = np.zeros((num_rows, table_width), np.int32)
         self.num_chunks = 0
         self.used = 0
 
-    def add(self, packed_index: np.ndarray, table: np.ndarray, kv_chunks: int) -> np.ndarray:
-        """Places one sequence's queries (packed indices) in as many rows as they need."""
-        row_len = self.token_index.shape[1]
-        rows = -(-len(packed_index) // row_len)
-        flat = self.token_index[self.used:self.used + rows].reshape(-1)
-        flat[:len(packed_index)] = packed_index
-        self.token_index[self.used:self.used + rows] = flat.reshape(rows, row_len)
+    def add(self, num_tokens: int, table: np.ndarray, kv_chunks: int) -> np.ndarray:
+        """Gives one sequence's tokens the rows they need; returns their offsets from its first row."""
+        rows = -(-num_tokens // self.row_len)
         self.block_tables[self.used:self.used + rows, :len(table)] = table
         self.num_chunks = max(self.num_chunks, kv_chunks)
         self.used += rows
-        return packed_index
+        return np.arange(num_tokens)
 
     def group(self) -> QueryGroup:
-        return QueryGroup(self.token_index, self.block_tables, np.int32(self.num_chunks))
+        return QueryGroup(self.block_tables, np.int32(self.num_chunks))

@@ -24,6 +24,7 @@ from jaxserve.engine.runner import Runner
 from jaxserve.engine.sampler import row_seed
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
+from jaxserve.host_memory import keep_freed_memory
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None,
                  progress: Callable[[int, int], None] | None = None):
         self.config = config
+        keep_freed_memory()  # XLA's step buffers stay mapped between steps (see host_memory)
         self.model = model or load_model(config.model, config.dtype)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()

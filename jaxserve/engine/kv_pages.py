@@ -34,5 +34,5 @@ def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: in
 
 
 def allocate(model: ModelConfig, pages: int, page_size: int, dtype) -> KVPages:
-    shape = (model.num_layers, pages, page_size, model.num_kv_heads, model.head_dim)
+    shape = (model.num_layers, model.num_kv_heads, pages, page_size, model.head_dim)
     return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

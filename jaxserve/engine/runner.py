@@ -24,7 +24,7 @@ from jaxserve.models.layers.attention import XlaPagedAttention
 
 log = logging.getLogger(__name__)
 
-KV_CHUNK_TOKENS = 256  # default context visited per attention loop iteration
+KV_CHUNK_TOKENS = 64  # default context visited per attention loop iteration
 
 
 SMALLEST_DECODE_BUCKET = 8  # a CPU reads the weights once for 1 row or 8: no point in smaller
@@ -89,4 +89,4 @@ class Runner:
 
     def reset_pool(self) -> None:
         k = self.kv_pages.k
-        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[1], k.shape[2], self.model.dtype)
+        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2], k.shape[3], self.model.dtype)

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-def default_compile_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return str(Path(base) / "jaxserve" / "jax-compile-cache")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -31,7 +25,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0         # on shutdown, how long running requests may finish
     retry_after_s: int = 1                # the Retry-After of a 503
     log_level: str = "info"
-    compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)  # "": no cache
+    compile_cache_dir: str | None = None  # JAX's persistent cache; None: jaxserve.compile_cache.default_dir()
 
     def __post_init__(self):
         _require(0 <= self.port < 65536, f"port={self.port} must be in [0, 65535]")

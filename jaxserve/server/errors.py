@@ -45,20 +45,20 @@ def validation_error(error: ValidationError, model: type[BaseModel]) -> APIError
     """The most specific problem pydantic found, as a 400 naming the field, its value and what is
     allowed."""
     problems = [(_path(e["loc"]), e) for e in error.errors(include_url=False)]
-    path, first = max(problems, key=lambda p: len(p[0]))  # the deepest: the union member that got furthest
+    path, problem = max(problems, key=lambda p: len(p[0]))  # the deepest: the union member that got furthest
     param = path[0] if path else None
     shown = ".".join(path) or "body"
-    if first["type"] == "extra_forbidden":
-        name = ".".join(str(p) for p in first["loc"])
+    if problem["type"] == "extra_forbidden":
+        name = ".".join(str(p) for p in problem["loc"])
         return APIError(400, f"{name} is not a supported parameter", name, "unknown_parameter")
-    if first["type"] == "missing":
+    if problem["type"] == "missing":
         return APIError(400, f"{shown} is required", param, "missing_field")
     allowed = _allowed_range(model, param) if len(path) == 1 else None
-    if allowed and first["type"] in _BOUND_ERRORS:
-        return APIError(400, f"{shown}={first['input']!r} is out of range: must be {allowed}", param,
+    if allowed and problem["type"] in _BOUND_ERRORS:
+        return APIError(400, f"{shown}={problem['input']!r} is out of range: must be {allowed}", param,
                         "invalid_value")
     reasons = dict.fromkeys(e["msg"] for p, e in problems if p == path)
-    return APIError(400, f"{shown}={first.get('input')!r} is invalid: {'; or '.join(reasons)}", param,
+    return APIError(400, f"{shown}={problem.get('input')!r} is invalid: {'; or '.join(reasons)}", param,
                     "invalid_value")
 
 

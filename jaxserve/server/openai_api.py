@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jinja2
 from aiohttp import web
@@ -17,6 +17,7 @@ from jaxserve.server.openai_protocol import (
 from jaxserve.server.serving import (
     CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body, sampling_params,
     usage)
+from jaxserve.tokenizer import chat_prompt_ids
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -89,7 +90,6 @@ def chat_prompt(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in messages]
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        return chat_prompt_ids(tokenizer, conversation)
     except jinja2.TemplateError as error:
         raise InvalidRequestError("messages", f"the chat template rejected the messages: {error}") from None
-    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)

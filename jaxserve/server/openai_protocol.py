@@ -1,38 +1,30 @@
 """Request and response bodies of the HTTP API, as pydantic models.
 
-Validation, the 400 messages and the OpenAPI schema all come from these models. Requests forbid
-unknown fields, so a parameter we do not implement is refused rather than silently ignored; the
-OpenAI parameters clients commonly send with their neutral value are declared, and refused only
-when set to something else (`unsupported()`).
+Validation, the 400 messages and the OpenAPI schema all come from these models. Requests are
+parsed strictly from JSON (`model_validate_json`) and forbid unknown fields, so a parameter we do
+not implement is refused rather than silently ignored; the OpenAI parameters clients commonly
+send with their neutral value are declared, and refused only when set to something else
+(`unsupported()`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 
 
-def _encodable(text: str) -> str:
-    # JSON may carry lone surrogates ("\ud800"), which no tokenizer can encode.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"the text is not valid Unicode ({error.reason} at index {error.start})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Stop = Text | Annotated[list[Text], Field(max_length=16)] | None
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
 FinishReason = Literal["stop", "length", "abort"] | None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: JSON `false` is not the token id 0, nor `0` the boolean false.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     # Declared for compatibility; a value other than this default is answered with a 400.
     UNSUPPORTED: ClassVar[dict] = {}
@@ -87,6 +79,8 @@ class _OpenAIRequest(SamplingFields):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
 
+    UNSUPPORTED: ClassVar[dict] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -96,7 +90,7 @@ class _OpenAIRequest(SamplingFields):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: int | None = None
@@ -104,8 +98,8 @@ class CompletionRequest(_OpenAIRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict] = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None, "presence_penalty": 0.0,
-                   "frequency_penalty": 0.0, "logit_bias": None}
+    UNSUPPORTED: ClassVar[dict] = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None,
+                                   **_OpenAIRequest.UNSUPPORTED}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (text or token ids)."""
@@ -116,12 +110,12 @@ class CompletionRequest(_OpenAIRequest):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: Text
+    text: str
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -135,12 +129,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
 
-    UNSUPPORTED: ClassVar[dict] = {"logprobs": False, "top_logprobs": None, "presence_penalty": 0.0,
-                   "frequency_penalty": 0.0, "logit_bias": None}
+    UNSUPPORTED: ClassVar[dict] = {"logprobs": False, "top_logprobs": None, **_OpenAIRequest.UNSUPPORTED}
 
 
 class GenerateRequest(SamplingFields):
-    prompt: Text | TokenIds
+    prompt: str | TokenIds
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
 
 

@@ -70,8 +70,7 @@ def _operation(endpoint: Endpoint, ref: dict, with_api_key: bool) -> dict:
     else:
         content = {"application/json": {"schema": ref[endpoint.reply]}}
     if endpoint.chunk is not None:
-        content["text/event-stream"] = {"schema": {
-            "type": "string", "description": f"`data: {{{endpoint.chunk.__name__}}}` events, then `data: [DONE]`"}}
+        content["text/event-stream"] = {"schema": _event_schema(ref[endpoint.chunk], ref[protocol.ErrorResponse])}
     responses = {"200": {"description": "OK", "content": content}}
     for status in endpoint.errors:
         if status == 401 and not with_api_key:
@@ -85,3 +84,12 @@ def _operation(endpoint: Endpoint, ref: dict, with_api_key: bool) -> dict:
     if endpoint.open and with_api_key:
         operation["security"] = []
     return operation
+
+
+def _event_schema(chunk: dict, error: dict) -> dict:
+    """One server-sent event (OpenAPI 3.1 reads a stream's schema as that of each event): a JSON
+    chunk, an error once streaming has begun, and `[DONE]` last."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [chunk, error]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}

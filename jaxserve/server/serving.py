@@ -50,14 +50,14 @@ async def parse_body(request: web.Request, model: type[BaseModel]):
     """The JSON body validated as `model`; APIError 400 on malformed JSON or an invalid field."""
     raw = await request.read()  # raises 413 past the app's client_max_size
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise APIError(400, f"the body is not valid JSON: {error}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the body must be a JSON object, not {type(data).__name__}", None, "invalid_json")
-    try:
-        body = model.model_validate(data)
+        body = model.model_validate_json(raw)
     except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            detail = first.get("ctx", {}).get("error", first["msg"])
+            raise APIError(400, f"the body is not valid JSON: {detail}", None, "invalid_json") from None
+        if first["type"] == "model_type":
+            raise APIError(400, "the body must be a JSON object", None, "invalid_json") from None
         raise validation_error(error, model) from None
     if hasattr(body, "unsupported"):
         body.unsupported()
@@ -92,16 +92,10 @@ def close_all(streams: Sequence[RequestStream]) -> None:
 
 async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
     """Waits for every stream to finish; returns the final outputs in order."""
-    async def last(stream: RequestStream) -> RequestOutput:
-        output = None
-        async for output in stream:
-            pass
-        return output
-
-    try:
-        return list(await asyncio.gather(*(last(s) for s in streams)))
-    finally:
-        close_all(streams)
+    finals: list[RequestOutput] = [None] * len(streams)
+    async for i, output in merged(streams):
+        finals[i] = output
+    return finals
 
 
 async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

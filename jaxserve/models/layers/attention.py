@@ -1,17 +1,19 @@
 """Paged attention over a ragged batch, and the backend interface the model calls.
 
-The KV pool is one K and one V array per model, each `[num_layers, num_pages, page_size,
-num_kv_heads, head_dim]`; page 0 is reserved for padding, so padded tokens write there and nothing
-real ever reads it. A step's new tokens are packed along one axis `T`. Each layer first writes the
-step's K/V into their pages (`slot_mapping`), then every query attends to its own sequence's pages,
-which now hold the whole context, causally by position.
+The KV pool is one K and one V array per model, each `[num_layers, num_kv_heads, num_pages,
+page_size, head_dim]`: head-major, so one head's page is a contiguous `[page_size, head_dim]`
+block that attention multiplies without a transpose. Page 0 is reserved for padding: padded
+tokens write there, and nothing real ever reads it. Each layer first writes the step's K/V into
+their pages (`slot_mapping`), then every query attends to its own sequence's pages, which now
+hold the whole context, causally by position.
 
-For attention (not for the matmuls) the XLA backend views the packed tokens in two groups, so that
-a mixed step costs about what its real tokens cost:
-  decode group  [Gd, 1]   one query per sequence (decodes, and 1-token prefill tails)
-  prefill group [Gp, Qc]  prefill chunks cut into segments of `Qc` queries of one sequence
-Both loop over the context in chunks of pages with an online (flash) softmax, so no program is
-compiled per context length and no `[queries, context]` score matrix is ever built.
+The step's tokens are packed along one axis `T = Gd + Gp * Qc` in two groups, so that a step that
+mixes decodes and prompt chunks costs about what its real tokens cost:
+  decode group  [Gd, 1]   the first Gd tokens: one per sequence (decodes, 1-token prompt tails)
+  prefill group [Gp, Qc]  the rest: prompt chunks cut into segments of Qc tokens of one sequence
+Padding tokens sit at position -1 and see nothing. Both groups loop over the context in chunks
+of pages with an online (flash) softmax, so no program is compiled per context length and no
+`[queries, context]` score matrix is ever built.
 """
 
 from __future__ import annotations
@@ -29,21 +31,20 @@ MASKED = -1e30  # a finite "minus infinity": exp() of it is 0, and 0 * it is not
 class KVPages:
     """The device KV pool; donated to every step and returned updated."""
 
-    k: jax.Array  # [layers, pages, page_size, kv_heads, head_dim]
-    v: jax.Array  # [layers, pages, page_size, kv_heads, head_dim]
+    k: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
+    v: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 @struct.dataclass
 class QueryGroup:
-    """Queries of one attention group gathered out of the packed batch."""
+    """The rows of one attention group: whose pages each row of queries reads."""
 
-    token_index: jax.Array   # [G, Q] int32: packed index of each query; T (out of range) pads
-    block_tables: jax.Array  # [G, pages_per_seq] int32: the sequence's pages in order; 0 pads
-    num_chunks: jax.Array    # [] int32: context chunks to visit, the group's longest context
+    block_tables: jax.Array  # [G, pages_per_seq] int32: the row's sequence's pages in order; 0 pads
+    num_chunks: jax.Array    # [] int32: context chunks to visit, for the group's longest context
 
 
 @struct.dataclass
@@ -52,8 +53,12 @@ class AttentionMetadata:
 
     positions: jax.Array     # [T] int32: position in its sequence; -1 for padding
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset to write K/V; 0..page_size-1 pads
-    decode: QueryGroup       # Q = 1
-    prefill: QueryGroup      # Q = prefill segment length
+    decode: QueryGroup       # the first Gd tokens, one row each
+    prefill: QueryGroup      # the remaining T - Gd tokens, Gp rows of (T - Gd) / Gp
+
+    def group_sizes(self) -> tuple[int, int]:
+        """(Gd, Gp), static: read off the array shapes."""
+        return self.decode.block_tables.shape[0], self.prefill.block_tables.shape[0]
 
 
 class AttentionBackend(Protocol):
@@ -70,52 +75,62 @@ def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, layer: jax.Array,
              slot_mapping: jax.Array) -> KVPages:
     """Scatters the new K/V [T, kv_heads, head_dim] into `layer`'s pages, in place under donation."""
     pages, offsets = slot_mapping // kv_pages.page_size, slot_mapping % kv_pages.page_size
+    # Index arrays split by a slice put their dimension first: the update is [T, kv_heads, head_dim].
     return KVPages(
-        k=kv_pages.k.at[layer, pages, offsets].set(k.astype(kv_pages.k.dtype)),
-        v=kv_pages.v.at[layer, pages, offsets].set(v.astype(kv_pages.v.dtype)),
+        k=kv_pages.k.at[layer, :, pages, offsets].set(k.astype(kv_pages.k.dtype)),
+        v=kv_pages.v.at[layer, :, pages, offsets].set(v.astype(kv_pages.v.dtype)),
     )
 
 
-def attend_group(q: jax.Array, positions: jax.Array, group: QueryGroup, kv_pages: KVPages,
+def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KVPages,
                  layer: jax.Array, pages_per_chunk: int) -> jax.Array:
     """Causal attention of one group's queries to their sequences' pages.
 
-    q [T, heads, head_dim] packed; returns [G, Q, heads, head_dim] in q's dtype (zeros for padding).
+    q [G, Q, heads, head_dim], q_pos [G, Q] (-1: padding) -> [G, Q, heads, head_dim] in q's dtype,
+    zeros for padding.
     """
-    num_seqs, q_len = group.token_index.shape
-    _, heads, head_dim = q.shape
-    kv_heads = kv_pages.k.shape[3]
+    num_seqs, q_len, heads, head_dim = q.shape
+    kv_heads = kv_pages.k.shape[1]
     rep = heads // kv_heads
     chunk_len = pages_per_chunk * kv_pages.page_size
 
-    qg = jnp.take(q, group.token_index, axis=0, mode="fill", fill_value=0)
-    qg = qg.reshape(num_seqs, q_len, kv_heads, rep, head_dim).astype(jnp.float32)
-    qg = qg * (head_dim ** -0.5)
-    q_pos = jnp.take(positions, group.token_index, mode="fill", fill_value=-1)  # [G, Q]
+    # Rows of one KV head and one sequence side by side: [kv_heads, G, rep * Q, D].
+    qg = q.reshape(num_seqs, q_len, kv_heads, rep, head_dim).transpose(2, 0, 3, 1, 4)
+    qg = qg.reshape(kv_heads, num_seqs, rep * q_len, head_dim).astype(jnp.float32) * (head_dim ** -0.5)
+    q_pos = jnp.tile(q_pos, (1, rep))[None, :, :, None]  # [1, G, rep * Q, 1]
 
     def visit_chunk(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(group.block_tables, i * pages_per_chunk,
                                              pages_per_chunk, axis=1)
-        k = kv_pages.k[layer, pages].reshape(num_seqs, chunk_len, kv_heads, head_dim)
-        v = kv_pages.v[layer, pages].reshape(num_seqs, chunk_len, kv_heads, head_dim)
-        s = jnp.einsum("gqhrd,gchd->ghrqc", qg, k.astype(jnp.float32))
-        k_pos = i * chunk_len + jnp.arange(chunk_len)
-        visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [G, Q, C]
-        s = jnp.where(visible[:, None, None], s, MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None]) * visible[:, None, None]
+        k = _gather_pages(kv_pages.k, layer, pages)  # [kv_heads, G, C, D]
+        v = _gather_pages(kv_pages.v, layer, pages)
+        s = jnp.einsum("hgqd,hgcd->hgqc", qg, k)
+        visible = i * chunk_len + jnp.arange(chunk_len) <= q_pos  # [1, G, rep*Q, C]
+        s = jnp.where(visible, s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+        p = jnp.exp(s - m_new) * visible
         correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("ghrqc,gchd->ghrqd", p, v.astype(jnp.float32))
+        l = l * correction + p.sum(axis=-1, keepdims=True)
+        acc = acc * correction + jnp.einsum("hgqc,hgcd->hgqd", p, v)
         return m_new, l, acc
 
-    stats_shape = (num_seqs, kv_heads, rep, q_len)
+    stats_shape = (kv_heads, num_seqs, rep * q_len, 1)
     init = (jnp.full(stats_shape, MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+            jnp.zeros(stats_shape[:-1] + (head_dim,), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, group.num_chunks, visit_chunk, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # all-masked (padding) rows stay 0
-    return out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, q_len, heads, head_dim).astype(q.dtype)
+    out = acc / jnp.maximum(l, 1e-30)  # all-masked (padding) rows stay 0
+    out = out.reshape(kv_heads, num_seqs, rep, q_len, head_dim).transpose(1, 3, 0, 2, 4)
+    return out.reshape(num_seqs, q_len, heads, head_dim).astype(q.dtype)
+
+
+def _gather_pages(pool: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
+    """pool [layers, kv_heads, P, page_size, D], pages [G, n] -> [kv_heads, G, n * page_size, D] f32."""
+    kv_heads, _, page_size, head_dim = pool.shape[1:]
+    # One gather from the whole pool (slicing the layer out first would copy it).
+    heads = jnp.arange(kv_heads)[:, None, None]
+    blocks = pool[layer, heads, pages[None]]
+    return blocks.reshape(kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).astype(jnp.float32)
 
 
 class XlaPagedAttention:
@@ -126,11 +141,13 @@ class XlaPagedAttention:
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         kv_pages = write_kv(kv_pages, k, v, layer, meta.slot_mapping)
-        out = jnp.zeros_like(q)
-        for group in (meta.decode, meta.prefill):
-            if group.token_index.size == 0:
-                continue
-            group_out = attend_group(q, meta.positions, group, kv_pages, layer, self.pages_per_chunk)
-            flat_index = group.token_index.reshape(-1)
-            out = out.at[flat_index].set(group_out.reshape(-1, *q.shape[1:]), mode="drop")
-        return out, kv_pages
+        num_decode, num_segments = meta.group_sizes()
+        outs = []
+        for group, rows, start, stop in ((meta.decode, num_decode, 0, num_decode),
+                                         (meta.prefill, num_segments, num_decode, q.shape[0])):
+            if rows:
+                group_q = q[start:stop].reshape(rows, -1, *q.shape[1:])
+                group_pos = meta.positions[start:stop].reshape(rows, -1)
+                out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk)
+                outs.append(out.reshape(-1, *q.shape[1:]))
+        return jnp.concatenate(outs), kv_pages

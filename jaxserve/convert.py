@@ -1,0 +1,64 @@
+"""`python -m jaxserve.convert SRC OUT`: rewrites a checkpoint in jaxserve's own format.
+
+SRC is a `.gguf` file, a Hugging Face directory, or `default` (the embedded SmolLM2). OUT gets an
+orbax-checkpoint tree of the parameters already in our layout, `config.json` and the tokenizer
+files; `--model OUT` then loads without dequantising, renaming or transposing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from jaxserve.checkpoint import orbax
+from jaxserve.checkpoint.loader import expected_params, read_checkpoint, resolve_model_path
+from jaxserve.checkpoint.weight_maps import map_hf_weights
+from jaxserve.config import ModelConfig
+from jaxserve.models.llama import abstract_model
+from jaxserve.tokenizer import load_tokenizer
+
+
+def convert(source: str, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Writes `out_dir`; returns it."""
+    path = resolve_model_path(None if source == "default" else source)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {str(out)!r} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config, tensors = read_checkpoint(path)
+    config = ModelConfig.from_hf(hf_config)
+    _, abstract = abstract_model(config, jnp.dtype(dtype))
+    shapes = {p: s.shape for p, s in expected_params(abstract).items()}
+    tensors = tqdm(tensors, desc="converting", unit="tensor", total=_count(tensors))
+    flat = map_hf_weights(tensors, shapes, jnp.dtype(dtype))
+    orbax.save_params(out, flat, dtype)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    load_tokenizer(path).save_pretrained(out)
+    return out
+
+
+def _count(tensors) -> int | None:
+    return len(tensors) if hasattr(tensors, "__len__") else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a .gguf file, an HF directory, or 'default'")
+    parser.add_argument("out", help="the directory to write (must be new or empty)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    out = convert(args.source, args.out, args.dtype)
+    print(f"wrote {out} in {time.perf_counter() - started:.1f} s; serve it with --model {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""`python -m jaxserve.serve`: the OpenAI-compatible HTTP server on one model.
+
+Every flag is a field of `EngineConfig` or `ServerConfig` (`--max-num-seqs` is `max_num_seqs`).
+The server listens at once and answers /health with 503 while the engine loads and compiles its
+step shapes (a progress bar; JAX's persistent compilation cache makes the next start faster),
+then prints one ready line with the URL. SIGINT/SIGTERM drain: no new requests, running ones
+finish (for up to --drain-timeout-s), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import time
+import typing
+
+from jaxserve import compile_cache
+from jaxserve.config import DTYPES, EngineConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
+
+log = logging.getLogger("jaxserve.serve")
+
+HELP = {
+    "model": "a .gguf file, an HF directory or a jaxserve.convert directory; none: the embedded "
+             "SmolLM2-135M-Instruct",
+    "dtype": "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on TPU/GPU",
+    "max_model_len": "context length; none: the model's",
+    "page_size": "tokens per KV cache page",
+    "kv_cache_gb": "KV cache size in GiB (unless --num-pages is given)",
+    "num_pages": "exact KV cache size in pages",
+    "max_num_seqs": "sequences per engine step",
+    "max_num_batched_tokens": "tokens per engine step",
+    "prefill_chunk": "query tokens per prefill segment",
+    "attention_backend": "attention implementation",
+    "seed": "seed of requests that give none",
+    "served_model_name": "the model name clients send; none: the model file's name",
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port)",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health",
+    "max_queue": "waiting sequences beyond which requests get 503 with Retry-After",
+    "max_n": "most samples per request (n)",
+    "max_body_bytes": "request bodies larger than this get 413",
+    "drain_timeout_s": "on SIGINT/SIGTERM, seconds running requests may take to finish",
+    "retry_after_s": "the Retry-After (seconds) of a 503",
+    "log_level": "logging level",
+    "compile_cache_dir": "JAX's persistent compilation cache; none: ~/.cache/jaxserve/xla (or under "
+                         "$XDG_CACHE_HOME)",
+}
+CHOICES = {"dtype": DTYPES, "log_level": LOG_LEVELS}
+
+
+def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:
+    """One flag per dataclass field, typed and defaulted as the field is."""
+    group = parser.add_argument_group(config_class.__name__)
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        kind = next(t for t in (typing.get_args(hints[field.name]) or (hints[field.name],)) if t is not type(None))
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        flag = "--" + field.name.replace("_", "-")
+        options = dict(default=default, dest=field.name, help=HELP.get(field.name, f"{config_class.__name__}."
+                                                                                  f"{field.name}"))
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        else:
+            group.add_argument(flag, type=kind, choices=CHOICES.get(field.name), **options)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_fields(parser, EngineConfig)
+    _add_fields(parser, ServerConfig)
+    args = vars(parser.parse_args(argv))
+    try:
+        engine = EngineConfig(**{f.name: args[f.name] for f in dataclasses.fields(EngineConfig)})
+        server = ServerConfig(**{f.name: args[f.name] for f in dataclasses.fields(ServerConfig)})
+    except ValueError as error:
+        parser.error(str(error))
+    return engine, dataclasses.replace(server, served_model_name=server.served_model_name or model_name(engine.model))
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Serves until SIGINT/SIGTERM; returns the exit status."""
+    from jaxserve.engine.engine import LLMEngine
+    from jaxserve.llm import _progress_bar
+    from jaxserve.server.app import create_app, start_server
+
+    started = time.perf_counter()
+    engine = AsyncEngine(lambda: LLMEngine(engine_config, progress=_progress_bar("compiling")))
+    runner, port = await start_server(create_app(engine, config), config.host, config.port)
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    status = await _until_ready_or_stopped(engine, stop)
+    if status is None:
+        print(f"jaxserve ready in {time.perf_counter() - started:.1f} s: http://{config.host}:{port}/v1 "
+              f"(model {config.served_model_name!r})", flush=True)
+        await stop.wait()
+        log.info("draining: finishing running requests (up to %.0f s)", config.drain_timeout_s)
+        status = 0
+    await runner.cleanup()
+    return status
+
+
+async def _until_ready_or_stopped(engine: AsyncEngine, stop: asyncio.Event) -> int | None:
+    """None once the engine is ready; an exit status if it failed to load or we were stopped first."""
+    ready = asyncio.ensure_future(engine.wait_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not ready.done():
+        ready.cancel()
+        return 0
+    if ready.exception() is not None:
+        log.error("the engine failed to load: %s", ready.exception())
+        return 1
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    engine_config, server_config = parse_args(argv)
+    logging.basicConfig(level=server_config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if server_config.log_level != "debug":
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    compile_cache.enable(server_config.compile_cache_dir)
+    return asyncio.run(serve(engine_config, server_config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

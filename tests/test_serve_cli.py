@@ -1,0 +1,79 @@
+"""`python -m jaxserve.serve`: 503 while loading, one ready line, SIGTERM drains and exits 0."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+import requests
+
+from jaxserve.serve import parse_args
+from server_fixtures import TINY_ENGINE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_flags_map_onto_the_configs():
+    engine, server = parse_args(["--max-num-seqs", "4", "--kv-cache-gb", "0.5", "--max-model-len", "256",
+                                 "--port", "9000", "--api-key", "k", "--max-queue", "3"])
+    assert (engine.max_num_seqs, engine.kv_cache_gb, engine.max_model_len, engine.model) == (4, 0.5, 256, None)
+    assert (server.port, server.api_key, server.max_queue) == (9000, "k", 3)
+    assert server.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    with pytest.raises(SystemExit):
+        parse_args(["--page-size", "3"])  # EngineConfig refuses it: argparse reports it
+
+
+def _flags(config: dict) -> list[str]:
+    return [part for name, value in config.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def test_serve_loads_serves_and_drains_on_sigterm(tiny_models, tmp_path):
+    directory, _ = tiny_models("llama")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *_flags(TINY_ENGINE),
+               "--port", str(port), "--served-model-name", "tiny",
+               "--compile-cache-dir", jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")]
+    stderr = open(tmp_path / "stderr.txt", "w")
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        assert 503 in _health_until_ready(url, server), "/health said 503 while the engine loaded"
+        ready = server.stdout.readline()
+        assert ready.startswith("jaxserve ready in ") and f"{url}/v1 (model 'tiny')" in ready
+
+        body = {"prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as reply:
+            events = reply.iter_lines()
+            assert next(events).startswith(b"data: ")
+            server.send_signal(signal.SIGTERM)
+            payloads = [line[len(b"data: "):] for line in events if line.startswith(b"data: ")]
+        assert payloads[-1] == b"[DONE]"
+        assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 120, "the running request finished"
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+        stderr.close()
+
+
+def _health_until_ready(url: str, server: subprocess.Popen, timeout: float = 180) -> list[int]:
+    statuses = []
+    deadline = time.monotonic() + timeout
+    while not statuses or statuses[-1] != 200:
+        assert server.poll() is None, "the server exited"
+        assert time.monotonic() < deadline, f"not ready after {timeout} s: {statuses[-5:]}"
+        try:
+            statuses.append(requests.get(f"{url}/health", timeout=5).status_code)
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.05)
+    return statuses

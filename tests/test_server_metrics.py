@@ -1,0 +1,80 @@
+"""`GET /metrics`: vLLM's metric names under `jaxserve:`, and they move with requests."""
+
+import threading
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_fixtures import serving, tiny_engine  # noqa: F401 - fixture
+
+NAMES = {
+    "jaxserve:num_requests_running": "gauge", "jaxserve:num_requests_waiting": "gauge",
+    "jaxserve:kv_cache_usage_perc": "gauge", "jaxserve:prompt_tokens": "counter",
+    "jaxserve:generation_tokens": "counter", "jaxserve:request_success": "counter",
+    "jaxserve:time_to_first_token_seconds": "histogram", "jaxserve:inter_token_latency_seconds": "histogram",
+    "jaxserve:e2e_request_latency_seconds": "histogram",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine):
+    with serving(tiny_engine, served_model_name="metered") as server:
+        yield server
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    reply = requests.get(f"{server.url}/metrics", timeout=10)
+    assert reply.status_code == 200 and reply.headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted({"model_name": "metered", **labels}.items()))), 0.0)
+
+
+def test_names_and_types(server):
+    reply = requests.get(f"{server.url}/metrics", timeout=10)
+    families = {f.name: f.type for f in text_string_to_metric_families(reply.text)}
+    assert {name: families.get(name) for name in NAMES} == NAMES
+
+
+def test_counters_and_histograms_move(server, tiny_engine):
+    before = scrape(server)
+    prompt_len = len(tiny_engine.tokenizer.encode("Count me", add_special_tokens=False))
+    body = {"prompt": "Count me", "n": 2, "max_tokens": 5, "temperature": 0}
+    assert requests.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+    after = scrape(server)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("jaxserve:prompt_tokens_total") == prompt_len
+    assert moved("jaxserve:generation_tokens_total") == 10
+    assert moved("jaxserve:request_success_total", finished_reason="length") == 2
+    assert moved("jaxserve:time_to_first_token_seconds_count") == 1
+    assert moved("jaxserve:e2e_request_latency_seconds_count") == 1
+    assert moved("jaxserve:inter_token_latency_seconds_count") == 4  # 5 steps: the first, then 4 gaps
+    assert moved("jaxserve:e2e_request_latency_seconds_sum") > 0
+
+
+def test_gauges_follow_the_running_batch(server, tiny_engine, monkeypatch):
+    execute = tiny_engine.runner.execute
+    monkeypatch.setattr(tiny_engine.runner, "execute", lambda output: (time.sleep(0.02), execute(output))[1])
+    body = {"prompt": "Busy", "n": 3, "max_tokens": 60, "ignore_eos": True}
+    request = threading.Thread(target=requests.post, args=(f"{server.url}/v1/completions",),
+                               kwargs=dict(json=body, timeout=60))
+    request.start()
+    deadline = time.monotonic() + 10
+    while value(during := scrape(server), "jaxserve:num_requests_running") != 3:
+        assert time.monotonic() < deadline, "the request never showed as running"
+        time.sleep(0.02)
+    assert 0 < value(during, "jaxserve:kv_cache_usage_perc") < 1
+    request.join()
+    idle = scrape(server)
+    assert value(idle, "jaxserve:num_requests_running") == 0 and value(idle, "jaxserve:kv_cache_usage_perc") == 0
