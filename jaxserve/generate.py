@@ -15,6 +15,7 @@ from jaxserve import compile_cache
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.errors import InvalidRequestError
 from jaxserve.llm import _progress_bar
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import chat_prompt_ids
@@ -47,9 +48,13 @@ def prompt_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except InvalidRequestError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     compile_cache.enable(args.compile_cache_dir)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
     model = load_model(args.model, args.dtype)
     ids = prompt_ids(model.tokenizer, args.prompt, args.raw)
     # One sequence: compile only the shapes this prompt and its decode steps use.
@@ -59,7 +64,7 @@ def main(argv=None) -> int:
                                     max_num_batched_tokens=budget, max_model_len=max_model_len),
                        model=model, progress=_progress_bar("compiling"))
     started = time.perf_counter()
-    request_id = engine.add_request(ids, params)
+    engine.add_request(ids, params)
     printed = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -73,7 +78,6 @@ def main(argv=None) -> int:
                 print(f"\n[{len(sample.token_ids)} tokens in {elapsed:.1f} s, "
                       f"{len(sample.token_ids) / elapsed:.1f} tokens/s, finish: {sample.finish_reason}]",
                       file=sys.stderr)
-    del request_id
     return 0
 
 

@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         server = ServerConfig(**{f.name: args[f.name] for f in dataclasses.fields(ServerConfig)})
     except ValueError as error:
         parser.error(str(error))
-    return engine, dataclasses.replace(server, served_model_name=server.served_model_name or model_name(engine.model))
+    name = server.served_model_name or model_name(engine.model)
+    return engine, dataclasses.replace(server, served_model_name=name)
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:

@@ -41,12 +41,10 @@ def test_every_route_is_documented(server):
 
 
 @schema.parametrize()
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzz(case, server):
     _bound_chat_length(case.body)
-    import sys
-    r = case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=60)
-    print("REQ", case.method, case.path, r.status_code, file=sys.stderr)
+    case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=60)
 
 
 def _bound_chat_length(body) -> None:

@@ -112,10 +112,10 @@ def test_stop_string_split_across_tokens_is_held_back(server, client, tiny_engin
 def _stop_across_tokens(tokenizer, ids, text) -> int:
     """Start of a 4-character piece of `text` that spans two tokens and occurs only there."""
     for i in range(1, len(ids)):
-        boundary = len(tokenizer.decode(ids[:i]))
-        start = boundary - 2
+        head = tokenizer.decode(ids[:i])
+        start = len(head) - 2
         piece = text[start:start + 4]
-        if start > 0 and len(piece) == 4 and text.find(piece) == start and tokenizer.decode(ids[:i]) == text[:boundary]:
+        if start > 0 and len(piece) == 4 and text.find(piece) == start and text.startswith(head):
             return start
     raise AssertionError(f"no stop string spanning two tokens in {text!r}")
 

@@ -43,14 +43,18 @@ class SampleText:
         self._stop = stop
         self._held = ""
         self.text = ""
+        self.stopped = False
 
     def add(self, token_id: int) -> bool:
         """Adds a token's text; True if a stop string completed (the text then ends before it)."""
-        return self._release(self._detokenizer.add(token_id), final=False)
+        if not self.stopped:
+            self.stopped = self._release(self._detokenizer.add(token_id), final=False)
+        return self.stopped
 
     def finish(self) -> None:
-        """Releases whatever was held back: the sample ended for another reason."""
-        self._release(self._detokenizer.flush(), final=True)
+        """Releases whatever was held back, unless a stop string already ended the text."""
+        if not self.stopped:
+            self._release(self._detokenizer.flush(), final=True)
 
     def _release(self, piece: str, final: bool) -> bool:
         pending = self._held + piece

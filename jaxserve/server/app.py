@@ -46,7 +46,8 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
                           middlewares=[_error_middleware, _auth_middleware(config.api_key)])
     app[CONTEXT] = ServerContext(async_engine, config, name, int(time.time()))
     app[METRICS] = metrics
-    app[OPENAPI] = openapi_document("jaxserve", importlib.metadata.version("jaxserve"), with_api_key=config.api_key is not None)
+    app[OPENAPI] = openapi_document("jaxserve", importlib.metadata.version("jaxserve"),
+                                    with_api_key=config.api_key is not None)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
