@@ -16,7 +16,7 @@ from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.llm import _progress_bar
+from jaxserve.progress import progress_bar
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import chat_prompt_ids
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     max_model_len = min(model.config.max_position_embeddings, len(ids) + args.max_tokens)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
                                     max_num_batched_tokens=budget, max_model_len=max_model_len),
-                       model=model, progress=_progress_bar("compiling"))
+                       model=model, progress=progress_bar("compiling"))
     started = time.perf_counter()
     engine.add_request(ids, params)
     printed = 0

@@ -7,24 +7,9 @@ from collections.abc import Sequence
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output import RequestOutput
+from jaxserve.progress import progress_bar
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import chat_prompt_ids
-
-
-def _progress_bar(description: str):
-    from tqdm import tqdm
-
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc=description, unit="shape")
-        bar.update(done - bar.n)
-        if done == total:
-            bar.close()
-
-    return update
 
 
 class LLM:
@@ -32,8 +17,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **config):
         self.engine = LLMEngine(EngineConfig(model=model, **config),
-                                progress=_progress_bar("compiling") if show_progress else None)
+                                progress=progress_bar("compiling") if show_progress else None)
         self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """An `LLM` over an engine already built (its model and compiled steps are reused)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

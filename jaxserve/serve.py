@@ -88,11 +88,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serves until SIGINT/SIGTERM; returns the exit status."""
     from jaxserve.engine.engine import LLMEngine
-    from jaxserve.llm import _progress_bar
+    from jaxserve.progress import progress_bar
     from jaxserve.server.app import create_app, start_server
 
     started = time.perf_counter()
-    engine = AsyncEngine(lambda: LLMEngine(engine_config, progress=_progress_bar("compiling")))
+    engine = AsyncEngine(lambda: LLMEngine(engine_config, progress=progress_bar("compiling")))
     runner, port = await start_server(create_app(engine, config), config.host, config.port)
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

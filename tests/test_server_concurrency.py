@@ -17,10 +17,7 @@ MAX_TOKENS = 24
 
 
 def llm_over(engine) -> LLM:
-    """`LLM` over an engine already built (LLM has no constructor for that yet)."""
-    llm = LLM.__new__(LLM)
-    llm.engine, llm.tokenizer = engine, engine.tokenizer
-    return llm
+    return LLM.from_engine(engine)
 
 
 async def stream_completion(session, url: str, prompt: str) -> tuple[str, str, int]:

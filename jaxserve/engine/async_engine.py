@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.engine import EngineStats, LLMEngine
 from jaxserve.engine.output import RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
@@ -49,15 +49,6 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request (an exception in its step)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """The scheduler's state after the latest step; sequences, not requests (n samples count n)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0     # fraction of usable KV pages in use
 
 
 class RequestObserver(Protocol):
@@ -354,7 +345,4 @@ class AsyncEngine:
         return failed
 
     def _stats(self) -> EngineStats:
-        scheduler, allocator = self.engine.scheduler, self.engine.allocator
-        used = allocator.num_usable_pages - allocator.num_free_pages
-        return EngineStats(len(scheduler.running), len(scheduler.waiting),
-                           used / max(allocator.num_usable_pages, 1))
+        return self.engine.stats()

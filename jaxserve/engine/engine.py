@@ -30,6 +30,15 @@ from jaxserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The scheduler's state; sequences, not requests (a request with n samples counts n)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0     # fraction of usable KV pages in use
+
+
 @dataclasses.dataclass
 class _Group:
     """A client request: its prompt and its `n` samples (one `Request` each)."""
@@ -149,6 +158,12 @@ class LLMEngine:
                 self.scheduler.abort(sample.request_id)
                 text.finish()
         return group.output(request_id)
+
+    def stats(self) -> EngineStats:
+        allocator = self.allocator
+        used = allocator.num_usable_pages - allocator.num_free_pages
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           used / max(allocator.num_usable_pages, 1))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

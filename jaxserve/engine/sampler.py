@@ -1,9 +1,8 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Each row's randomness comes only from its own seed and the index of the token it samples, so a
-seeded request gives the same tokens whatever else is in the batch. Sorting the vocabulary is the
-expensive part; it runs only when some row asks for top-k, top-p or min-p, and nothing random runs
-when every row is greedy.
+seeded request gives the same tokens whatever else is in the batch. Truncation (top-k, top-p,
+min-p) runs only when some row asks for it, and nothing random runs when every row is greedy.
 """
 
 from __future__ import annotations
@@ -47,18 +46,34 @@ def sample(logits: jax.Array, s: SamplingTensors) -> jax.Array:
 
 
 def _truncate(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
-    """Sets to -inf every logit outside the row's top-k, then top-p of what is left, then min-p."""
+    """Sets to -inf every logit outside the row's top-k, then top-p of what is left, then min-p.
+
+    Thresholds are found by bisection on the logit value rather than by sorting the vocabulary:
+    about 40 passes of compare-and-sum cost a few milliseconds where a sort of 49k entries per
+    row cost ~90 ms on a CPU. Ties at a threshold are all kept, as a sort-based cut keeps them.
+    """
     vocab = scaled.shape[-1]
-    ranked = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
-    ranked = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ranked, -jnp.inf)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    num_kept = jnp.maximum(jnp.sum(mass_before < s.top_p[:, None], axis=-1), 1)
-    threshold = jnp.take_along_axis(ranked, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    min_p_threshold = jnp.where(s.min_p > 0, ranked[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-38)), -jnp.inf)
-    threshold = jnp.maximum(threshold, min_p_threshold)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab).astype(jnp.float32)
+    top_k_threshold = _bisect(scaled, lambda kept: kept.sum(-1, dtype=jnp.float32) >= k)
+    probs = jnp.exp(scaled - scaled.max(-1, keepdims=True)) * (scaled >= top_k_threshold[:, None])
+    probs = probs / probs.sum(-1, keepdims=True)
+    top_p_threshold = _bisect(scaled, lambda kept: jnp.sum(probs * kept, -1) >= s.top_p)
+    min_p_threshold = jnp.where(s.min_p > 0, scaled.max(-1) + jnp.log(jnp.maximum(s.min_p, 1e-38)), -jnp.inf)
+    threshold = jnp.maximum(jnp.maximum(top_k_threshold, top_p_threshold), min_p_threshold)
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def _bisect(values: jax.Array, enough, steps: int = 48) -> jax.Array:
+    """Per row, the largest t with `enough(values >= t)`, given that the row's minimum qualifies."""
+    lo, hi = values.min(-1), values.max(-1) + 1.0
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) / 2
+        ok = enough(values >= mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    return jax.lax.fori_loop(0, steps, halve, (lo, hi))[0]
 
 
 def sampling_tensors(rows: list[tuple | None], num_rows: int) -> SamplingTensors:
