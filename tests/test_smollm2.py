@@ -1,7 +1,6 @@
 """The embedded SmolLM2-135M-Instruct end to end: token-identical to transformers, batch-invariant."""
 
 import json
-import pathlib
 
 import numpy as np
 import pytest
@@ -10,7 +9,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
-WORKLOAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "anchor-64.jsonl"
+from conftest import WORKLOADS
+
+WORKLOAD = WORKLOADS / "anchor-64.jsonl"
 
 
 def anchor_prompts(count):

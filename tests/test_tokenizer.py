@@ -2,7 +2,6 @@
 
 import importlib.metadata
 import json
-from pathlib import Path
 
 import pytest
 
@@ -10,7 +9,8 @@ from jaxserve.checkpoint import default_model
 from jaxserve.checkpoint.default_model import DefaultModelNotFound, default_model_path
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
-WORKLOADS = Path("/work/shared/workloads")
+from conftest import WORKLOADS
+
 TEXT = "Héllo wörld 🤖🎉 日本語のテキスト 1234567 naïve café — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ✓  \n\n 3.14159 Ελληνικά 😀👍🏽 x"
 
 
