@@ -27,12 +27,10 @@ log = logging.getLogger(__name__)
 KV_CHUNK_TOKENS = 64  # default context visited per attention loop iteration
 
 
-SMALLEST_DECODE_BUCKET = 8  # a CPU reads the weights once for 1 row or 8: no point in smaller
-
-
-def _sizes(limit: int, smallest: int = 1) -> list[int]:
-    """0, then powers of two from `smallest` below `limit`, then `limit`."""
-    powers = [2**i for i in range(max(limit, 1).bit_length()) if smallest <= 2**i < limit]
+def _sizes(limit: int) -> list[int]:
+    """0, then powers of two below `limit`, then `limit`. (Small decode buckets matter: on
+    SmolLM2 a 1-row step took 60 ms and an 8-row one 112 ms.)"""
+    powers = [2**i for i in range(max(limit, 1).bit_length()) if 2**i < limit]
     return [0] + powers + [limit]
 
 
@@ -43,7 +41,7 @@ class Runner:
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width)
-        self.decode_sizes = _sizes(max_num_seqs, SMALLEST_DECODE_BUCKET)
+        self.decode_sizes = _sizes(max_num_seqs)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
         self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype)
         attention = XlaPagedAttention(pages_per_chunk)
