@@ -7,7 +7,6 @@ fields of `EngineConfig` one to one.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 
@@ -151,6 +150,3 @@ class EngineConfig:
                  f"prefill_chunk={self.prefill_chunk}")
         _require(self.attention_backend in ("xla",),
                  f"attention_backend={self.attention_backend!r} is not one of ('xla',)")
-
-    def pages_per_seq(self, max_model_len: int) -> int:
-        return math.ceil(max_model_len / self.page_size)
