@@ -53,9 +53,11 @@ class Request:
     def token_slice(self, start: int, stop: int) -> list[int]:
         """token ids [start, stop) of prompt + output."""
         prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:  # decodes: no copy of the prompt every step
+            return self.output_token_ids[start - prompt_len:stop - prompt_len]
         if stop <= prompt_len:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - prompt_len]
 
     @property
     def is_finished(self) -> bool:
