@@ -115,6 +115,7 @@ def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,10 @@ class EngineConfig:
     prefill_chunk: int = 16               # query tokens per prefill segment in the attention layout
     attention_backend: str = "xla"
     seed: int = 0                         # seeds requests that give no seed of their own
+    enable_prefix_caching: bool = True    # reuse the KV pages of earlier requests' common prefixes
+    enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
+    scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
+    priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
@@ -148,5 +153,13 @@ class EngineConfig:
         _require(self.max_num_batched_tokens >= self.prefill_chunk,
                  f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                  f"prefill_chunk={self.prefill_chunk}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"scheduling_policy={self.scheduling_policy!r} is not one of {SCHEDULING_POLICIES}")
+        _require(self.priority_max_wait_steps >= 1,
+                 f"priority_max_wait_steps={self.priority_max_wait_steps} must be >= 1")
+        _require(self.enable_chunked_prefill or self.max_model_len is None
+                 or self.max_num_batched_tokens >= self.max_model_len,
+                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
+                 f"{self.max_model_len} when chunked prefill is off (a prompt is prefilled in one step)")
         _require(self.attention_backend in ("xla",),
                  f"attention_backend={self.attention_backend!r} is not one of ('xla',)")

@@ -12,6 +12,11 @@ def _check(ok: bool, param: str, value, allowed: str) -> None:
         raise InvalidRequestError(param, f"{param}={value!r} is out of range: {allowed}")
 
 
+MAX_LOGPROBS = 20          # top logprobs per token (OpenAI's chat limit)
+MAX_LOGIT_BIAS = 300       # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request (suppressed with EOS until min_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1                          # independent samples for the prompt
@@ -26,12 +31,21 @@ class SamplingParams:
     stop: tuple[str, ...] = ()          # stop strings, applied to the detokenised text
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0       # subtracted once from every token already generated
+    frequency_penalty: float = 0.0      # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0     # divides (positive) or multiplies (negative) logits of tokens
+                                        # in the prompt or the output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is accepted
+    logprobs: int | None = None         # None: no logprobs; k: the sampled token's and the top k's
+    best_of: int | None = None          # samples to generate, of which the n most likely are returned
 
     def __post_init__(self):
         # Accept lists from callers, keep tuples so the object stays hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
@@ -43,7 +57,31 @@ class SamplingParams:
                self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)")
         _check(all(s for s in self.stop), "stop", self.stop, "stop strings must be non-empty")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", len(self.stop_token_ids),
+               f"at most {MAX_STOP_TOKEN_IDS} ids")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", self.repetition_penalty,
+               "must be in (0, 2]")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"{len(self.logit_bias)} entries",
+               f"at most {MAX_LOGIT_BIAS} entries")
+        for token, bias in self.logit_bias:
+            _check(-100 <= bias <= 100, "logit_bias", {token: bias}, "biases must be in [-100, 100]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+               f"must be in [0, {MAX_LOGPROBS}]")
+        _check(self.best_of is None or self.best_of >= self.n, "best_of", self.best_of,
+               f"must be >= n={self.n}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated: best_of if given, else n."""
+        return self.best_of or self.n
+
+    @property
+    def penalizes(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -19,7 +19,7 @@ import time
 import typing
 
 from jaxserve import compile_cache
-from jaxserve.config import DTYPES, EngineConfig
+from jaxserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 
@@ -38,6 +38,10 @@ HELP = {
     "prefill_chunk": "query tokens per prefill segment",
     "attention_backend": "attention implementation",
     "seed": "seed of requests that give none",
+    "enable_prefix_caching": "reuse cached KV pages of common prompt prefixes",
+    "enable_chunked_prefill": "prefill long prompts in chunks over several steps, beside running decodes",
+    "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
+    "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
     "served_model_name": "the model name clients send; none: the model file's name",
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
@@ -51,7 +55,7 @@ HELP = {
     "compile_cache_dir": "JAX's persistent compilation cache; none: ~/.cache/jaxserve/xla (or under "
                          "$XDG_CACHE_HOME)",
 }
-CHOICES = {"dtype": DTYPES, "log_level": LOG_LEVELS}
+CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS}
 
 
 def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:

@@ -37,6 +37,9 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0     # fraction of usable KV pages in use
+    num_preemptions: int = 0        # since start: sequences preempted (and later recomputed)
+    prefix_cache_queries: int = 0   # since start: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # since start: of those, tokens found cached (not computed)
 
 
 @dataclasses.dataclass
@@ -100,8 +103,9 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queues a prompt (text or token ids); returns its id. Raises InvalidRequestError."""
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queues a prompt (text or token ids); returns its id. Raises InvalidRequestError.
+        `priority`: lower runs sooner under the priority scheduling policy."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:

@@ -11,14 +11,25 @@ import dataclasses
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (before penalties, bias and temperature)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # the k most likely (token id, logprob), most likely first
+
+
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample. `text` and `token_ids` are cumulative."""
+    """One sample. `text`, `token_ids` and `logprobs` are cumulative."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None   # None while running; "stop", "length", "abort" or "error"
+    logprobs: list[TokenLogprob] | None = None   # one per token when the request asked for logprobs
+    cumulative_logprob: float | None = None      # sum of the tokens' logprobs, when they were computed
 
     @property
     def finished(self) -> bool:

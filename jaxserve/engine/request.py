@@ -36,6 +36,7 @@ class Request:
     seed: int                       # resolved: the params' seed or one the engine drew
     max_total_tokens: int           # prompt + output may not exceed this (the context length)
     eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0               # lower runs sooner under the priority policy
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
