@@ -31,7 +31,8 @@ def dense_reference(q, k, v):
 def test_matches_dense_attention(heads, kv_heads, page_size, seed):
     rng = np.random.default_rng(seed)
     dim, num_pages, segment = 16, 256, 8
-    layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64)
+    layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64,
+                         vocab_size=8, history_width=8)
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
     k_pool = rng.normal(size=(2, kv_heads, num_pages, page_size, dim)).astype(np.float32)
     v_pool = rng.normal(size=k_pool.shape).astype(np.float32)

@@ -4,24 +4,38 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import row_seed, sample, sampling_tensors
+from jaxserve.engine.sampler import _penalize, row_seed, sample, sampling_tensors
+from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
-sample_jit = jax.jit(sample)
+HISTORY = 32
+_sample_jit = jax.jit(sample)
+
+
+def row(params, seed=0, token_index=0, prompt=(), output=(), suppressed=()):
+    return ScheduledSequence("r", (1,), 0, (1,), True, params, seed, token_index, prompt, output, suppressed)
+
+
+def tensors(rows, num_rows, vocab):
+    return sampling_tensors(rows, num_rows, vocab, HISTORY)
+
+
+def sample_jit(logits, rows, num_rows=None):
+    """The sampled tokens of `rows` ([S] ScheduledSequence or None) over `logits`."""
+    samples = _sample_jit(logits, tensors(rows, num_rows or len(rows), logits.shape[-1]))
+    return np.asarray(samples.tokens)
 
 
 def draw(params: SamplingParams, num_draws: int, probs=PROBS, token_index=0):
     """Samples one token for each of `num_draws` seeds from the same distribution."""
     logits = np.tile(np.log(probs), (num_draws, 1))
-    rows = [(params, seed, token_index) for seed in range(num_draws)]
-    return np.asarray(sample_jit(logits, sampling_tensors(rows, num_draws)))
+    return sample_jit(logits, [row(params, seed, token_index) for seed in range(num_draws)])
 
 
 def test_greedy_is_argmax():
     logits = np.random.default_rng(0).normal(size=(5, 300)).astype(np.float32)
-    rows = [(SamplingParams(temperature=0), 0, 0)] * 5
-    assert (np.asarray(sample_jit(logits, sampling_tensors(rows, 5))) == logits.argmax(-1)).all()
+    assert (sample_jit(logits, [row(SamplingParams(temperature=0))] * 5) == logits.argmax(-1)).all()
 
 
 def test_temperature_one_follows_the_distribution():
@@ -50,9 +64,9 @@ def test_seeded_rows_ignore_their_neighbours():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(6, 1000)).astype(np.float32)
     params = SamplingParams(temperature=1.0, seed=42)
-    alone = sample_jit(logits[:1], sampling_tensors([(params, 42, 3)], 1))
-    mixed_rows = [(params, 42, 3)] + [(SamplingParams(temperature=0.7, top_p=0.9), i, 0) for i in range(5)]
-    together = sample_jit(np.concatenate([logits[:1], logits[1:]]), sampling_tensors(mixed_rows, 6))
+    alone = sample_jit(logits[:1], [row(params, 42, 3)])
+    mixed_rows = [row(params, 42, 3)] + [row(SamplingParams(temperature=0.7, top_p=0.9), i) for i in range(5)]
+    together = sample_jit(logits, mixed_rows)
     assert int(alone[0]) == int(together[0])
 
 
@@ -62,5 +76,63 @@ def test_row_seeds_differ_by_seed_and_token_index():
 
 
 def test_padding_rows_are_greedy():
-    tensors = sampling_tensors([None, (SamplingParams(), 1, 0)], 3)
-    assert tensors.temperature.tolist() == [0, 1, 0]
+    assert tensors([None, row(SamplingParams(), 1)], 3, 4).temperature.tolist() == [0, 1, 0]
+
+
+def reference_processed_logits(logits, params, prompt, output, suppressed):
+    """The sampler's logit processing, written plainly in NumPy for one row."""
+    x = logits.astype(np.float64).copy()
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    x[list(suppressed)] = -np.inf
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / params.repetition_penalty if x[token] > 0 else x[token] * params.repetition_penalty
+    for token in set(output):
+        x[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return x
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_bias_and_min_tokens_match_numpy(seed):
+    rng = np.random.default_rng(seed)
+    vocab, num_rows = 50, 6
+    logits = rng.normal(scale=3, size=(num_rows, vocab)).astype(np.float32)
+    rows, expected = [], []
+    for i in range(num_rows):
+        params = SamplingParams(
+            temperature=0, presence_penalty=float(rng.uniform(-2, 2)), frequency_penalty=float(rng.uniform(-2, 2)),
+            repetition_penalty=float(rng.uniform(0.5, 2)),
+            logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.choice(vocab, 4, replace=False)})
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
+        output = rng.integers(0, vocab, int(rng.integers(0, 12))).tolist()
+        suppressed = tuple(rng.choice(vocab, 2, replace=False).tolist()) if i % 2 else ()
+        rows.append(row(params, prompt=prompt, output=output, suppressed=suppressed))
+        expected.append(reference_processed_logits(logits[i], params, prompt, output, suppressed))
+    assert sample_jit(logits, rows).tolist() == [int(np.argmax(e)) for e in expected]   # greedy sees them
+    t = tensors(rows, num_rows, vocab)
+    biased = logits.copy()
+    for i, r in enumerate(rows):
+        for token, bias in r.params.logit_bias:
+            biased[i, token] += bias
+        biased[i, list(r.suppressed_token_ids)] = -np.inf
+    processed = np.asarray(jax.jit(_penalize)(biased, t))   # the whole rows, not just their argmax
+    np.testing.assert_allclose(processed, np.array(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_min_tokens_suppression_masks_the_ids():
+    logits = np.log(np.tile(PROBS, (1, 1)))
+    assert sample_jit(logits, [row(SamplingParams(temperature=0), suppressed=(0, 1))]).tolist() == [2]
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(3, 100)).astype(np.float32)
+    rows = [row(SamplingParams(temperature=0, logprobs=5, presence_penalty=1.0), output=(7,)),
+            row(SamplingParams(temperature=1.0, seed=1, logprobs=0), seed=1), None]
+    samples = jax.device_get(_sample_jit(logits, tensors(rows, 3, 100)))
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for i in range(2):
+        np.testing.assert_allclose(samples.logprob[i], log_softmax[i, samples.tokens[i]], atol=1e-5)
+        order = np.argsort(-log_softmax[i])[:20]
+        assert samples.top_ids[i].tolist() == order.tolist()
+        np.testing.assert_allclose(samples.top_logprobs[i], log_softmax[i, order], atol=1e-5)

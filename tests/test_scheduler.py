@@ -1,13 +1,16 @@
 """Scheduler: budgets, chunked prefill, decodes first, preemption that loses nothing."""
 
+import pytest
+
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
 
 
-def make(num_pages=64, page_size=4, max_num_seqs=4, budget=32, segment=8):
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, segment), PageAllocator(num_pages, page_size))
+def make(num_pages=64, page_size=4, max_num_seqs=4, budget=32, segment=8, caching=True, **config):
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, segment, **config),
+                     PageAllocator(num_pages, page_size, caching))
 
 
 def request(name, prompt_len, max_tokens=4):
@@ -70,14 +73,15 @@ def test_preemption_recomputes_and_keeps_outputs():
     assert s.num_preemptions >= 1
 
 
-def test_readmitted_request_recomputes_prompt_and_outputs():
-    s = make(num_pages=4, page_size=4, budget=64)
+@pytest.mark.parametrize("caching, recomputed", [(False, (1, 2, 3, 4, 7)), (True, (7,))])
+def test_readmitted_request_recomputes_prompt_and_outputs(caching, recomputed):
+    s = make(num_pages=4, page_size=4, budget=64, caching=caching)
     s.add(request("b", 4, max_tokens=8))
     run_step(s)
     b = s.running[0]
     s._preempt(b)
-    out = s.schedule()
-    assert out.sequences[0].token_ids == (1, 2, 3, 4, 7)
+    out = s.schedule()                            # with caching, the prompt's full page is found
+    assert out.sequences[0].token_ids == recomputed
     assert out.sequences[0].samples
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.engine.sampler import SamplingTensors, sampling_tensors
-from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.models.layers.attention import AttentionMetadata, QueryGroup
 
 
@@ -46,6 +46,8 @@ class BatchLayout:
     segment: int              # prefill queries per attention segment
     pages_per_chunk: int      # pages visited per attention loop iteration
     table_width: int          # block table entries per row, a multiple of pages_per_chunk
+    vocab_size: int
+    history_width: int        # token history per sampled row (penalties): the context length
 
     def needs(self, output: SchedulerOutput) -> Bucket:
         """The smallest sizes that hold this step: decode slots and prefill segments."""
@@ -56,8 +58,8 @@ class BatchLayout:
     def num_chunks(self, kv_len: int) -> int:
         return math.ceil(kv_len / (self.pages_per_chunk * self.page_size))
 
-    def build(self, output: SchedulerOutput, bucket: Bucket) -> tuple[StepInput, list[str | None]]:
-        """Arrays for `bucket`, and the request id sampled at each logit row (None: padding)."""
+    def build(self, output: SchedulerOutput, bucket: Bucket) -> tuple[StepInput, list[ScheduledSequence | None]]:
+        """Arrays for `bucket`, and the sequence sampled at each logit row (None: padding)."""
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
         num_tokens = bucket.num_tokens(seg)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -66,8 +68,7 @@ class BatchLayout:
         decode = _GroupArrays(gd, 1, self.table_width)
         prefill = _GroupArrays(gp, seg, self.table_width)
         logits_index = np.zeros(gd + gp, np.int32)
-        row_ids: list[str | None] = [None] * (gd + gp)
-        row_params: list[tuple | None] = [None] * (gd + gp)
+        rows: list[ScheduledSequence | None] = [None] * (gd + gp)
         next_prefill_row = gd
         for s in output.sequences:
             table = np.asarray(s.block_table, np.int32)
@@ -85,11 +86,11 @@ class BatchLayout:
             slots[at] = table[pos // ps] * ps + pos % ps
             if s.samples:
                 logits_index[row] = at[-1]
-                row_ids[row] = s.request_id
-                row_params[row] = (s.params, s.seed, s.num_output_tokens)
+                rows[row] = s
         attention = AttentionMetadata(positions=positions, slot_mapping=slots,
                                       decode=decode.group(), prefill=prefill.group())
-        return StepInput(token_ids, attention, logits_index, sampling_tensors(row_params, gd + gp)), row_ids
+        sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width)
+        return StepInput(token_ids, attention, logits_index, sampling), rows
 
 
 class _GroupArrays:

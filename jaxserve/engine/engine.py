@@ -17,7 +17,7 @@ from collections.abc import Callable
 from jaxserve.checkpoint.loader import LoadedModel, load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import kv_pages as kv_pool
-from jaxserve.engine.output import CompletionOutput, RequestOutput, SampleText
+from jaxserve.engine.output import CompletionOutput, RequestOutput, SampleText, TokenLogprob
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.runner import Runner
@@ -44,21 +44,44 @@ class EngineStats:
 
 @dataclasses.dataclass
 class _Group:
-    """A client request: its prompt and its `n` samples (one `Request` each)."""
+    """A client request: its prompt and its samples (one `Request` each: n, or best_of)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[Request]
     texts: list[SampleText]
     error: str | None = None
+    logprobs: list[list[TokenLogprob]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.logprobs = [[] for _ in self.samples]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.samples)
+
+    @property
+    def streams(self) -> bool:
+        """False with best_of > n: which samples are returned is known only at the end."""
+        params = self.samples[0].params
+        return params.num_samples == params.n
 
     def output(self, request_id: str) -> RequestOutput:
-        outputs = [
-            CompletionOutput(i, text.text, list(sample.output_token_ids),
-                             sample.finish_reason.value if sample.finish_reason else None)
-            for i, (sample, text) in enumerate(zip(self.samples, self.texts))]
-        finished = all(s.is_finished for s in self.samples)
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.error)
+        params = self.samples[0].params
+        outputs = [self._sample_output(i) for i in range(len(self.samples))]
+        if not self.streams:
+            best = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n] if self.finished else []
+            outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error)
+
+    def _sample_output(self, i: int) -> CompletionOutput:
+        sample, logprobs = self.samples[i], self.logprobs[i]
+        reason = sample.finish_reason.value if sample.finish_reason else None
+        computed = len(logprobs) == len(sample.output_token_ids) and sample.output_token_ids
+        return CompletionOutput(
+            i, self.texts[i].text, list(sample.output_token_ids), reason,
+            logprobs=list(logprobs) if sample.params.logprobs is not None else None,
+            cumulative_logprob=sum(lp.logprob for lp in logprobs) if computed else None)
 
 
 class LLMEngine:
@@ -70,9 +93,11 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()
         pages = kv_pool.num_pages(config, self.model.config, self.model.dtype, self.max_model_len)
-        self.allocator = PageAllocator(pages, config.page_size)
+        self.allocator = PageAllocator(pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
+                            config.enable_chunked_prefill, config.scheduling_policy,
+                            config.priority_max_wait_steps),
             self.allocator)
         self.runner = Runner(self.model, pages, config.page_size, self.max_model_len, config.max_num_seqs,
                              config.max_num_batched_tokens, config.prefill_chunk)
@@ -112,18 +137,30 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
+        self._check_sampling(params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        samples, texts = [], []
-        for i in range(params.n):
-            sample = Request(
-                request_id=f"{request_id}/{i}", prompt_token_ids=list(token_ids), params=params,
-                seed=base_seed if params.n == 1 else row_seed(base_seed, -1 - i),
-                max_total_tokens=len(token_ids) + max_tokens, eos_token_ids=self.eos_token_ids)
-            samples.append(sample)
-            texts.append(SampleText(self.tokenizer, params.stop, params.skip_special_tokens))
-            self.scheduler.add(sample)
+        num_samples = params.num_samples
+        samples = [
+            Request(request_id=f"{request_id}/{i}", prompt_token_ids=list(token_ids), params=params,
+                    seed=base_seed if num_samples == 1 else row_seed(base_seed, -1 - i),
+                    max_total_tokens=len(token_ids) + max_tokens, eos_token_ids=self.eos_token_ids,
+                    priority=priority)
+            for i in range(num_samples)]
+        texts = [SampleText(self.tokenizer, params.stop, params.skip_special_tokens) for _ in samples]
+        self.scheduler.add(samples[0], forks=samples[1:])
         self._groups[request_id] = _Group(text, list(token_ids), samples, texts)
         return request_id
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        if params.num_samples > self.config.max_num_seqs:
+            name = "best_of" if params.best_of else "n"
+            raise InvalidRequestError(name, f"{name}={params.num_samples} exceeds max_num_seqs="
+                                            f"{self.config.max_num_seqs}, the most samples one step can hold")
+        vocab = self.model.config.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(name, f"token id {bad[0]} in {name} is outside the vocabulary [0, {vocab})")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -166,8 +203,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         allocator = self.allocator
         used = allocator.num_usable_pages - allocator.num_free_pages
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           used / max(allocator.num_usable_pages, 1))
+        counters = self.scheduler.counters
+        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting,
+                           used / max(allocator.num_usable_pages, 1), counters.num_preemptions,
+                           counters.prefix_cache_queries, counters.prefix_cache_hits)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -180,27 +219,30 @@ class LLMEngine:
         if output.is_empty:
             return []
         try:
-            sampled = self.runner.execute(output)
+            sampled, logprobs = self.runner.execute(output)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
             return self._fail_step(output, error)
         advanced = self.scheduler.update(output, sampled)
-        return self._outputs({r.request_id for r in advanced}, sampled)
+        return self._outputs({r.request_id for r in advanced}, sampled, logprobs)
 
-    def _outputs(self, sample_ids: set[str], sampled: dict[str, int]) -> list[RequestOutput]:
+    def _outputs(self, sample_ids: set[str], sampled: dict[str, int],
+                 logprobs: dict[str, TokenLogprob]) -> list[RequestOutput]:
         results = []
         for request_id, group in list(self._groups.items()):
             touched = False
-            for sample, text in zip(group.samples, group.texts):
+            for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
                 if sample.request_id not in sample_ids:
                     continue
                 touched = True
+                if sample.request_id in logprobs:
+                    sample_logprobs.append(logprobs[sample.request_id])
                 if text.add(sampled[sample.request_id]) and not sample.is_finished:
                     self.scheduler.abort(sample.request_id, FinishReason.STOP)
                 if sample.is_finished:
                     text.finish()
-            if touched:
+            if touched and (group.streams or group.finished):
                 results.append(group.output(request_id))
-                if results[-1].finished:
+                if group.finished:
                     del self._groups[request_id]
         return results
 

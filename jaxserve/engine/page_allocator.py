@@ -1,24 +1,51 @@
-"""Host-side bookkeeping of the KV page pool: a free list, block tables and reference counts.
+"""Host-side bookkeeping of the KV page pool: free pages, block tables, reference counts, and the
+prefix cache.
 
-Page 0 is never handed out: padded batch slots write there. A page is free exactly when its
-reference count is 0; sequences that share a page (a forked sample) each hold one reference.
+Page 0 is never handed out: padded batch slots write there. Sequences that share a page (samples
+of one prompt, requests with a common prefix) each hold one reference to it.
+
+Prefix cache: once a page is full and its K/V computed, it is registered under a hash chained over
+its parent page's hash and its own token ids, so the hash names the whole prefix up to the page's
+end. A new sequence takes the cached pages of its longest cached prefix by reference
+(`match_prefix`). When no sequence references a cached page any more it stays cached, and is
+evicted, least recently released first, only when no uncached free page is left.
+
+Cached pages are never written again: a write into a page that is shared or cached goes to a copy
+(`allocate` returns the copies the device must make before the step's writes).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
+
+import numpy as np
+
+
+def page_hashes(token_ids: list[int], page_size: int, known: list[bytes]) -> list[bytes]:
+    """Extends `known`, the hashes of the first full pages of `token_ids`, to every full page."""
+    for start in range(len(known) * page_size, len(token_ids) - page_size + 1, page_size):
+        digest = hashlib.blake2b(known[-1] if known else b"", digest_size=16)
+        digest.update(np.asarray(token_ids[start:start + page_size], np.int64).tobytes())
+        known.append(digest.digest())
+    return known
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is reserved for padding)")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free = collections.deque(range(1, num_pages))
+        self.enable_caching = enable_caching
+        self._free = collections.deque(range(1, num_pages))   # unreferenced, not cached
+        self._evictable: dict[int, None] = {}                 # unreferenced, cached; oldest release first
         self._refcounts = [0] * num_pages
         self._tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}             # leading pages of a table already offered
+        self._page_of_hash: dict[bytes, int] = {}
+        self._hash_of_page: dict[int, bytes] = {}
 
     @property
     def num_usable_pages(self) -> int:
@@ -26,7 +53,20 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._hash_of_page)
+
+    def evictable_pages(self) -> list[int]:
+        """Unreferenced cached pages, in eviction order."""
+        return list(self._evictable)
+
+    def cached_hash(self, page: int) -> bytes | None:
+        """The prefix hash `page` is cached under, if it is."""
+        return self._hash_of_page.get(page)
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -34,37 +74,102 @@ class PageAllocator:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
-    def num_new_pages(self, seq_id: str, num_tokens: int) -> int:
-        """Pages `seq_id` still needs to hold `num_tokens` tokens."""
-        return max(0, self.pages_for(num_tokens) - len(self.block_table(seq_id)))
-
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        """Grows `seq_id`'s table to hold `num_tokens`; all or nothing. False if pages are short."""
-        needed = self.num_new_pages(seq_id, num_tokens)
-        if needed > len(self._free):
-            return False
-        table = self._tables.setdefault(seq_id, [])
-        for _ in range(needed):
-            page = self._free.popleft()
-            self._refcounts[page] = 1
-            table.append(page)
-        return True
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Gives `child_id` the parent's pages by reference (the caller copies a page before writing it)."""
-        if child_id in self._tables:
-            raise ValueError(f"sequence {child_id!r} already holds pages")
-        table = list(self.block_table(parent_id))
-        for page in table:
-            self._refcounts[page] += 1
-        self._tables[child_id] = table
-
-    def free(self, seq_id: str) -> None:
-        """Drops `seq_id`'s references; pages no one references go back to the free list."""
-        for page in self._tables.pop(seq_id, []):
-            self._refcounts[page] -= 1
-            if self._refcounts[page] == 0:
-                self._free.append(page)
-
     def refcount(self, page: int) -> int:
         return self._refcounts[page]
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+
+    def match_prefix(self, seq_id: str, hashes: list[bytes]) -> int:
+        """Gives `seq_id`, which holds no pages, the cached pages of its longest cached prefix
+        (`hashes`: its full pages' hashes). Returns how many pages it got."""
+        if self._tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id!r} already holds pages")
+        table = []
+        for digest in hashes if self.enable_caching else ():
+            page = self._page_of_hash.get(digest)
+            if page is None:
+                break
+            self._reference(page)
+            table.append(page)
+        self._tables[seq_id] = table
+        self._num_registered[seq_id] = len(table)
+        return len(table)
+
+    def cache_pages(self, seq_id: str, hashes: list[bytes]) -> None:
+        """Registers `seq_id`'s first `len(hashes)` pages, full and computed, under their hashes.
+        A hash already cached (the same prefix computed twice) keeps its first page."""
+        if not self.enable_caching:
+            return
+        table = self._tables[seq_id]
+        for i in range(self._num_registered.get(seq_id, 0), len(hashes)):
+            page = table[i]
+            if hashes[i] not in self._page_of_hash and page not in self._hash_of_page:
+                self._page_of_hash[hashes[i]] = page
+                self._hash_of_page[page] = hashes[i]
+        self._num_registered[seq_id] = max(self._num_registered.get(seq_id, 0), len(hashes))
+
+    # ---- allocation -----------------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, num_tokens: int, write_from: int | None = None) -> list[tuple[int, int]] | None:
+        """Grows `seq_id`'s table to hold `num_tokens` tokens and makes the pages written from
+        position `write_from` on private, copying shared or cached ones. All or nothing: None if
+        pages are short. Returns the (source, destination) page copies to make before writing."""
+        table = self._tables.setdefault(seq_id, [])
+        num_new = max(0, self.pages_for(num_tokens) - len(table))
+        first_written = len(table) if write_from is None else write_from // self.page_size
+        to_copy = [i for i in range(first_written, len(table)) if self._must_copy(table[i])]
+        if num_new + len(to_copy) > self.num_free_pages:
+            return None
+        copies = []
+        for i in to_copy:
+            page = self._take()
+            copies.append((table[i], page))
+            self._release(table[i])
+            table[i] = page
+        self._num_registered[seq_id] = min(self._num_registered.get(seq_id, 0), first_written)
+        table.extend(self._take() for _ in range(num_new))
+        return copies
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Gives `child_id` the pages holding the parent's first `num_tokens` tokens, by reference."""
+        if self._tables.get(child_id):
+            raise ValueError(f"sequence {child_id!r} already holds pages")
+        table = self.block_table(parent_id)[:self.pages_for(num_tokens)]
+        for page in table:
+            self._reference(page)
+        self._tables[child_id] = list(table)
+        self._num_registered[child_id] = min(self._num_registered.get(parent_id, 0), len(table))
+
+    def free(self, seq_id: str) -> None:
+        """Drops `seq_id`'s references. Its last pages are released first, so that under eviction
+        a prefix's first pages, which more requests share, stay cached longest."""
+        self._num_registered.pop(seq_id, None)
+        for page in reversed(self._tables.pop(seq_id, [])):
+            self._release(page)
+
+    def _must_copy(self, page: int) -> bool:
+        return self._refcounts[page] > 1 or page in self._hash_of_page
+
+    def _reference(self, page: int) -> None:
+        if self._refcounts[page] == 0:
+            del self._evictable[page]
+        self._refcounts[page] += 1
+
+    def _release(self, page: int) -> None:
+        self._refcounts[page] -= 1
+        if self._refcounts[page] == 0:
+            if page in self._hash_of_page:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def _take(self) -> int:
+        """An unreferenced page: a never-cached one if any, else the least recently released cached one."""
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page = next(iter(self._evictable))
+            del self._evictable[page]
+            del self._page_of_hash[self._hash_of_page.pop(page)]
+        self._refcounts[page] = 1
+        return page

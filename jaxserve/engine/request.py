@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from jaxserve.engine.page_allocator import page_hashes
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -42,6 +43,10 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    arrival_index: int = 0          # set by the scheduler: its order of arrival
+    steps_waited: int = 0           # scheduling steps spent waiting, over the request's life
+    promoted: bool = False          # waited long enough to outrank every priority
+    _page_hashes: list[bytes] = dataclasses.field(default_factory=list, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +64,12 @@ class Request:
         if stop <= prompt_len:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - prompt_len]
+
+    def page_hashes(self, page_size: int) -> list[bytes]:
+        """Prefix-cache hashes of the full pages of prompt + output (grown as tokens arrive)."""
+        if len(self._page_hashes) < self.num_tokens // page_size:
+            page_hashes(self.token_slice(0, self.num_tokens), page_size, self._page_hashes)
+        return self._page_hashes
 
     @property
     def is_finished(self) -> bool:

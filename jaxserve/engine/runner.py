@@ -19,7 +19,8 @@ import numpy as np
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket
 from jaxserve.engine.scheduler_output import SchedulerOutput
-from jaxserve.engine.step import compile_forward, compile_step
+from jaxserve.engine.output import TokenLogprob
+from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
 from jaxserve.models.layers.attention import XlaPagedAttention
 
 log = logging.getLogger(__name__)
@@ -40,13 +41,16 @@ class Runner:
         self.model = model
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
-        self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width)
+        self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,
+                                  model.config.vocab_size, max_model_len)
+        self.max_copies = max_num_seqs   # page copies per copy call: at most one per sequence a step
         self.decode_sizes = _sizes(max_num_seqs)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
         self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype)
         attention = XlaPagedAttention(pages_per_chunk)
         self._step = compile_step(model.graphdef, attention)
         self._forward = compile_forward(model.graphdef, attention)
+        self._copy_pages = compile_copy_pages()
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -61,25 +65,46 @@ class Runner:
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles the step for every bucket."""
         buckets = self.buckets
+        no_copies = np.zeros(self.max_copies, np.int32)
+        self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile()
         for i, bucket in enumerate(buckets):
             batch, _ = self.layout.build(SchedulerOutput(()), bucket)
             self._step.lower(self.model.params, self.kv_pages, batch).compile()
             if progress:
                 progress(i + 1, len(buckets))
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Runs one step; returns the token sampled for each sequence whose chunk reached its end."""
-        batch, row_ids = self.layout.build(output, self.bucket_for(output))
-        tokens, self.kv_pages = self._step(self.model.params, self.kv_pages, batch)
-        tokens = np.asarray(tokens)
-        return {request_id: int(tokens[row]) for row, request_id in enumerate(row_ids) if request_id}
+    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Runs one step. Returns the token sampled for each sequence whose chunk reached its end,
+        and the logprobs of those whose params ask for them."""
+        self._make_copies(output.page_copies)
+        batch, rows = self.layout.build(output, self.bucket_for(output))
+        samples, self.kv_pages = self._step(self.model.params, self.kv_pages, batch)
+        samples = jax.device_get(samples)
+        tokens, logprobs = {}, {}
+        for i, seq in enumerate(rows):
+            if seq is None:
+                continue
+            tokens[seq.request_id] = int(samples.tokens[i])
+            if batch.sampling.logprobs[i]:
+                k = seq.params.logprobs or 0
+                top = tuple(zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))
+                logprobs[seq.request_id] = TokenLogprob(tokens[seq.request_id], float(samples.logprob[i]), top)
+        return tokens, logprobs
+
+    def _make_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
+        for start in range(0, len(copies), self.max_copies):
+            pairs = np.zeros((self.max_copies, 2), np.int32)   # padding copies page 0 onto itself
+            chunk = copies[start:start + self.max_copies]
+            pairs[:len(chunk)] = chunk
+            self.kv_pages = self._copy_pages(self.kv_pages, pairs[:, 0], pairs[:, 1])
 
     def logits(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
         """Runs one step and returns, instead of tokens, the logits of each sampling sequence."""
-        batch, row_ids = self.layout.build(output, self.bucket_for(output))
+        self._make_copies(output.page_copies)
+        batch, rows = self.layout.build(output, self.bucket_for(output))
         logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, batch)
         logits = np.asarray(logits)
-        return {request_id: logits[row] for row, request_id in enumerate(row_ids) if request_id}
+        return {seq.request_id: logits[i] for i, seq in enumerate(rows) if seq}
 
     def pool_is_lost(self) -> bool:
         """True when a failed step consumed the donated pool."""

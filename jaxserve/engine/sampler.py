@@ -1,8 +1,13 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling on the device: logit bias, min_tokens, penalties, greedy, temperature, top-k,
+top-p, min-p, per-request seeds, and logprobs.
 
 Each row's randomness comes only from its own seed and the index of the token it samples, so a
-seeded request gives the same tokens whatever else is in the batch. Truncation (top-k, top-p,
-min-p) runs only when some row asks for it, and nothing random runs when every row is greedy.
+seeded request gives the same tokens whatever else is in the batch. Every optional stage
+(penalties, truncation, logprobs, randomness) runs only when some row asks for it.
+
+Order, as vLLM's: logit_bias and min_tokens' suppression of EOS/stop ids, then the repetition
+penalty (over prompt and output tokens), frequency and presence penalties (over output tokens),
+then greedy argmax or temperature and truncation. Logprobs are of the raw model distribution.
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 20   # bias entries per row: logit_bias, then suppressed ids
+
 
 @struct.dataclass
 class SamplingTensors:
@@ -20,6 +29,22 @@ class SamplingTensors:
     top_p: jax.Array        # [S] float32; 1 = off
     min_p: jax.Array        # [S] float32; 0 = off
     seed: jax.Array         # [S] uint32: mixes the request's seed with the sampled token's index
+    bias_ids: jax.Array     # [S, BIAS_WIDTH] int32; vocab_size = unused entry
+    bias: jax.Array         # [S, BIAS_WIDTH] float32, added to the logits (-inf: suppressed)
+    presence: jax.Array     # [S] float32
+    frequency: jax.Array    # [S] float32
+    repetition: jax.Array   # [S] float32; 1 = off
+    history: jax.Array      # [S, H] int32: prompt then output token ids, vocab_size = unused
+    num_prompt: jax.Array   # [S] int32: how many of `history` are prompt tokens
+    logprobs: jax.Array     # [S] bool: compute the sampled token's logprob and the top ones
+
+
+@struct.dataclass
+class Samples:
+    tokens: jax.Array        # [S] int32
+    logprob: jax.Array       # [S] float32: the sampled token's (0 where not asked)
+    top_ids: jax.Array       # [S, MAX_LOGPROBS] int32, most likely first
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
 
 
 def row_seed(seed: int, token_index: int) -> int:
@@ -30,8 +55,13 @@ def row_seed(seed: int, token_index: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
-def sample(logits: jax.Array, s: SamplingTensors) -> jax.Array:
-    """logits [S, vocab] float32 -> token ids [S] int32."""
+def sample(logits: jax.Array, s: SamplingTensors) -> Samples:
+    """logits [S, vocab] float32 -> the sampled tokens and, for rows that ask, their logprobs."""
+    raw = logits
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
+    penalizes = jnp.any((s.presence != 0) | (s.frequency != 0) | (s.repetition != 1))
+    logits = jax.lax.cond(penalizes, _penalize, lambda x, _: x, logits, s)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def random_tokens():
@@ -42,7 +72,35 @@ def sample(logits: jax.Array, s: SamplingTensors) -> jax.Array:
         return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
 
     sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
-    return jnp.where(s.temperature == 0, greedy, sampled)
+    tokens = jnp.where(s.temperature == 0, greedy, sampled)
+    return jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
+
+
+def _penalize(logits: jax.Array, s: SamplingTensors) -> jax.Array:
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    is_output = jnp.arange(s.history.shape[1])[None, :] >= s.num_prompt[:, None]
+    output_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, s.history].add(
+        is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, s.history].set(True, mode="drop")
+    repetition = s.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - s.frequency[:, None] * output_counts
+    return logits - s.presence[:, None] * (output_counts > 0)
+
+
+def _with_logprobs(raw: jax.Array, tokens: jax.Array) -> Samples:
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
+    pad = ((0, 0), (0, MAX_LOGPROBS - top_ids.shape[-1]))   # tiny test vocabularies only
+    logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return Samples(tokens, logprob, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logprobs, pad))
+
+
+def _without_logprobs(raw: jax.Array, tokens: jax.Array) -> Samples:
+    num_rows = raw.shape[0]
+    return Samples(tokens, jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32),
+                   jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
 
 
 def _truncate(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
@@ -76,20 +134,37 @@ def _bisect(values: jax.Array, enough, steps: int = 48) -> jax.Array:
     return jax.lax.fori_loop(0, steps, halve, (lo, hi))[0]
 
 
-def sampling_tensors(rows: list[tuple | None], num_rows: int) -> SamplingTensors:
-    """Host arrays from (params, seed, token_index) per row; None rows (padding) are greedy."""
+def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: int) -> SamplingTensors:
+    """Host arrays for `num_rows` rows from `rows`: per row a `ScheduledSequence` (anything with its
+    params, seed, num_output_tokens, prompt/output/suppressed token ids) or None (padding: greedy)."""
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
     min_p = np.zeros(num_rows, np.float32)
     seed = np.zeros(num_rows, np.uint32)
+    bias_ids = np.full((num_rows, BIAS_WIDTH), vocab_size, np.int32)
+    bias = np.zeros((num_rows, BIAS_WIDTH), np.float32)
+    presence = np.zeros(num_rows, np.float32)
+    frequency = np.zeros(num_rows, np.float32)
+    repetition = np.ones(num_rows, np.float32)
+    history = np.full((num_rows, history_width), vocab_size, np.int32)
+    num_prompt = np.zeros(num_rows, np.int32)
+    logprobs = np.zeros(num_rows, np.bool_)
     for i, row in enumerate(rows):
         if row is None:
             continue
-        params, request_seed, token_index = row
-        temperature[i] = params.temperature
-        top_k[i] = params.top_k
-        top_p[i] = params.top_p
-        min_p[i] = params.min_p
-        seed[i] = row_seed(request_seed, token_index)
-    return SamplingTensors(temperature, top_k, top_p, min_p, seed)
+        p = row.params
+        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        seed[i] = row_seed(row.seed, row.num_output_tokens)
+        entries = [*p.logit_bias, *((t, -np.inf) for t in row.suppressed_token_ids)]
+        if entries:
+            ids, values = zip(*entries)
+            bias_ids[i, :len(ids)], bias[i, :len(ids)] = ids, values
+        if p.penalizes:
+            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            num_prompt[i] = len(row.prompt_token_ids)
+            history[i, :num_prompt[i]] = row.prompt_token_ids
+            history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
+        logprobs[i] = p.logprobs is not None or p.num_samples > p.n
+    return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,
+                           repetition, history, num_prompt, logprobs)

@@ -1,22 +1,38 @@
 """Continuous batching: which sequences compute how many tokens in the next step.
 
 Every request has `num_computed_tokens`; a step computes some of the rest. Running requests go
-first (so decodes never wait behind a long prompt), in arrival order, then waiting requests are
-admitted first come, first served, while the token budget, `max_num_seqs` and free pages last. A
-prompt that does not fit the budget is prefilled in chunks over several steps.
+first (so decodes never wait behind a long prompt), then waiting requests are admitted in rank
+order while the token budget, `max_num_seqs` and free pages last. With chunked prefill a prompt
+that does not fit what is left of the budget is prefilled in chunks over several steps; without
+it a prompt waits until it fits whole.
 
 The budget counts a multi-token chunk at its size rounded up to `prefill_segment`, the unit in
 which the runner lays out prefill queries, so a step never holds more padded tokens than the budget.
 
-When a running request needs a page and none is free, the latest-arrived running request is
-preempted: its pages are freed and it goes back to the front of the queue, to recompute its prompt
-and its outputs so far when it is readmitted (nothing already returned is returned again).
+Prefix caching: an admitted request first takes the cached pages of its longest cached prefix
+(whole pages, and never its last token, which must be computed to sample from) and computes only
+the rest. Pages are registered in the cache as they fill.
+
+Parallel samples (n > 1): the first sample prefills the prompt; when it samples its first token
+the others fork its prompt pages by reference and each recomputes only the prompt's last token,
+into a private copy of the last page (copy on write). A request is admitted only with room in
+`max_num_seqs` for all of its samples.
+
+Rank: under `fcfs`, arrival order; under `priority`, (priority, arrival), lower first. A request
+that has spent `max_wait_steps` steps waiting is promoted: it ranks ahead of every unpromoted
+request, promoted requests among themselves by arrival. So no request starves: once promoted, only
+requests that arrived before it can be admitted or keep running ahead of it.
+
+Preemption: when a running request needs a page and none is free (after evicting cached pages),
+the running request of the worst rank is preempted: its pages are freed and it waits again, to
+recompute its prompt and its outputs so far when it is readmitted (nothing already returned is
+returned again; with prefix caching most of it is found in the cache).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import itertools
 
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
@@ -28,6 +44,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_segment: int
+    chunked_prefill: bool = True
+    policy: str = "fcfs"            # or "priority"
+    max_wait_steps: int = 256       # waiting steps after which a request outranks every priority
 
     def chunk_cost(self, num_tokens: int) -> int:
         if num_tokens == 1:
@@ -38,96 +57,182 @@ class SchedulerConfig:
         """The most of `num_tokens` whose cost fits in `budget` (0 if none)."""
         if self.chunk_cost(num_tokens) <= budget:
             return num_tokens
+        if not self.chunked_prefill:
+            return 0
         return min(num_tokens, budget // self.prefill_segment * self.prefill_segment or min(budget, 1))
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    """Since start; tokens as vLLM counts them."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0     # tokens of admitted requests looked up
+    prefix_cache_hits: int = 0        # of those, tokens found cached
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
         self.config = config
         self.allocator = allocator
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.counters = SchedulerCounters()
+        self._forks: dict[str, list[Request]] = {}     # first sample's id -> samples waiting to fork
+        self._arrivals = itertools.count()
 
-    def add(self, request: Request) -> None:
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.num_preemptions
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(f) for f in self._forks.values())
+
+    def add(self, request: Request, forks: list[Request] = ()) -> None:
+        """Queues `request`; `forks`, further samples of its prompt, start from its prompt pages."""
+        request.arrival_index = next(self._arrivals)
         self.waiting.append(request)
+        if forks:
+            for fork in forks:
+                fork.arrival_index = request.arrival_index
+            self._forks[request.request_id] = list(forks)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
-        """Finishes a waiting or running request and frees its pages; None if it is not here."""
-        for queue in (self.waiting, self.running):
+        """Finishes a waiting, running or unforked request and frees its pages; None if it is not here."""
+        for queue in (self.waiting, self.running, *self._forks.values()):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
                     self.allocator.free(request_id)
                     request.finish(reason)
+                    self._forks = {first: forks for first, forks in self._forks.items() if forks}
                     return request
         return None
 
+    # ---- scheduling -----------------------------------------------------------------------------
+
+    def rank(self, request: Request) -> tuple:
+        if self.config.policy == "priority":
+            return not request.promoted, 0 if request.promoted else request.priority, request.arrival_index
+        return (request.arrival_index,)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: dict[str, tuple[Request, int]] = {}
+        copies: dict[str, list[tuple[int, int]]] = {}
         preempted: list[str] = []
-        for request in list(self.running):
+        for request in sorted(self.running, key=self.rank):
             if request not in self.running:
-                continue  # preempted to make room for an earlier one
+                continue  # preempted to make room for a better-ranked one
             num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
             if num_tokens == 0:
                 break
-            if not self._allocate_or_preempt(request, num_tokens, preempted):
+            request_copies = self._allocate_or_preempt(request, num_tokens, preempted)
+            if request_copies is None:
                 continue
-            scheduled.append((request, num_tokens))
+            scheduled[request.request_id] = (request, num_tokens)
+            copies[request.request_id] = request_copies
             budget -= self.config.chunk_cost(num_tokens)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        for victim in preempted:
+            scheduled.pop(victim, None)
+            copies.pop(victim, None)
+        self.waiting.sort(key=self.rank)
+        while self.waiting and budget > 0 and not preempted and self._has_seats_for(self.waiting[0]):
             request = self.waiting[0]
-            num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
-            if num_tokens == 0 or not self.allocator.allocate(
-                    request.request_id, request.num_computed_tokens + num_tokens):
+            num_tokens = self._admit(request, budget)
+            if num_tokens == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_tokens))
+            scheduled[request.request_id] = (request, num_tokens)
             budget -= self.config.chunk_cost(num_tokens)
-        return SchedulerOutput(tuple(self._describe(r, n) for r, n in scheduled), tuple(preempted))
+        self._age_waiting()
+        return SchedulerOutput(tuple(self._describe(r, n) for r, n in scheduled.values()), tuple(preempted),
+                               tuple(c for cs in copies.values() for c in cs))
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
-        """Pages for `request`'s chunk, preempting the latest running requests if needed.
-        False if `request` itself had to be preempted."""
-        while not self.allocator.allocate(request.request_id, request.num_computed_tokens + num_tokens):
-            victim = self.running[-1]
+    def _has_seats_for(self, request: Request) -> bool:
+        """Room in max_num_seqs for `request`, its forks, and the forks of running requests."""
+        reserved = sum(len(self._forks.get(r.request_id, ())) for r in self.running)
+        needed = 1 + len(self._forks.get(request.request_id, ()))
+        return len(self.running) + reserved + needed <= self.config.max_num_seqs
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Takes `request`'s cached prefix and pages for its first chunk; the chunk's size, 0 if it
+        does not fit (and then it holds nothing)."""
+        page_size = self.allocator.page_size
+        cacheable = (request.num_tokens - 1) // page_size
+        hashes = request.page_hashes(page_size)[:cacheable] if self.allocator.enable_caching else []
+        hits = self.allocator.match_prefix(request.request_id, hashes)
+        request.num_computed_tokens = hits * page_size
+        num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
+        if num_tokens == 0 or self.allocator.allocate(
+                request.request_id, request.num_computed_tokens + num_tokens) is None:
+            self.allocator.free(request.request_id)
+            request.num_computed_tokens = 0
+            return 0
+        if self.allocator.enable_caching:
+            self.counters.prefix_cache_queries += request.num_tokens
+            self.counters.prefix_cache_hits += request.num_computed_tokens
+        return num_tokens
+
+    def _age_waiting(self) -> None:
+        for request in self.waiting:
+            request.steps_waited += 1
+            request.promoted = request.promoted or request.steps_waited >= self.config.max_wait_steps
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int,
+                             preempted: list[str]) -> list[tuple[int, int]] | None:
+        """Pages for `request`'s chunk, preempting the worst-ranked running requests if needed;
+        the page copies to make first. None if `request` itself had to be preempted."""
+        while True:
+            copies = self.allocator.allocate(request.request_id, request.num_computed_tokens + num_tokens,
+                                             write_from=request.num_computed_tokens)
+            if copies is not None:
+                return copies
+            victim = max(self.running, key=self.rank)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-        self.num_preemptions += 1
+        self.waiting.append(request)
+        self.counters.num_preemptions += 1
 
     def _describe(self, request: Request, num_tokens: int) -> ScheduledSequence:
         start = request.num_computed_tokens
+        p = request.params
+        penalizes = p.penalizes
+        suppress = len(request.output_token_ids) < p.min_tokens
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=tuple(request.token_slice(start, start + num_tokens)),
             start_position=start,
             block_table=tuple(self.allocator.block_table(request.request_id)),
             samples=start + num_tokens == request.num_tokens,
-            params=request.params,
+            params=p,
             seed=request.seed,
             num_output_tokens=len(request.output_token_ids),
+            prompt_token_ids=request.prompt_token_ids if penalizes else (),
+            output_token_ids=request.output_token_ids if penalizes else (),
+            suppressed_token_ids=(*request.eos_token_ids, *p.stop_token_ids) if suppress else (),
         )
 
+    # ---- after the step -------------------------------------------------------------------------
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances every scheduled request by its chunk, appends its sampled token, retires the
-        finished. Returns the requests that received a token."""
+        """Advances every scheduled request by its chunk, registers its full pages in the prefix
+        cache, appends its sampled token, forks its samples, retires the finished. Returns the
+        requests that received a token."""
         by_id = {r.request_id: r for r in self.running}
         advanced = []
         for seq in output.sequences:
@@ -135,10 +240,27 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens += seq.num_tokens
-            if seq.samples:
-                request.append_token(sampled[seq.request_id])
-                advanced.append(request)
-                if request.is_finished:
-                    self.running.remove(request)
-                    self.allocator.free(request.request_id)
+            self._cache_computed_pages(request)
+            if not seq.samples:
+                continue
+            request.append_token(sampled[seq.request_id])
+            advanced.append(request)
+            self._fork_samples(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self.allocator.free(request.request_id)
         return advanced
+
+    def _cache_computed_pages(self, request: Request) -> None:
+        if self.allocator.enable_caching:
+            full_pages = request.num_computed_tokens // self.allocator.page_size
+            self.allocator.cache_pages(request.request_id, request.page_hashes(self.allocator.page_size)[:full_pages])
+
+    def _fork_samples(self, first: Request) -> None:
+        """The other samples of `first`'s prompt start running, on its prompt pages."""
+        prompt_len = len(first.prompt_token_ids)
+        for fork in self._forks.pop(first.request_id, ()):
+            self.allocator.fork(first.request_id, fork.request_id, prompt_len)
+            fork.num_computed_tokens = prompt_len - 1
+            fork.status = RequestStatus.RUNNING
+            self.running.append(fork)

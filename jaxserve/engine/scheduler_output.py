@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -19,6 +20,9 @@ class ScheduledSequence:
     params: SamplingParams
     seed: int
     num_output_tokens: int        # outputs so far: the sample's index, folded into its seed
+    prompt_token_ids: Sequence[int] = ()       # given only when the params penalise repetitions
+    output_token_ids: Sequence[int] = ()       # likewise
+    suppressed_token_ids: tuple[int, ...] = () # EOS and stop ids, masked while below min_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -29,6 +33,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     sequences: tuple[ScheduledSequence, ...]
     preempted_ids: tuple[str, ...] = ()
+    page_copies: tuple[tuple[int, int], ...] = ()   # (source, destination) pages, copied before the step
 
     @property
     def num_tokens(self) -> int:

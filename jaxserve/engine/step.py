@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from jaxserve.engine.batch import StepInput
-from jaxserve.engine.sampler import sample
+from jaxserve.engine.sampler import Samples, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
 
 
@@ -19,8 +19,8 @@ def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.Sta
     return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention)
 
 
-def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[jax.Array, KVPages]:
-    """(next tokens [S] int32, kv_pages)."""
+def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[Samples, KVPages]:
+    """(next tokens [S] and their logprobs, kv_pages)."""
     logits, kv_pages = forward(graphdef, attention, params, kv_pages, batch)
     return sample(logits, batch.sampling), kv_pages
 
@@ -31,5 +31,15 @@ def compile_step(graphdef, attention):
 
 
 def compile_forward(graphdef, attention):
-    """Like `compile_step` but returning the logits (tests, logprobs)."""
+    """Like `compile_step` but returning the logits (tests)."""
     return jax.jit(functools.partial(forward, graphdef, attention), donate_argnums=(1,))
+
+
+def copy_pages(kv_pages: KVPages, source: jax.Array, destination: jax.Array) -> KVPages:
+    """Copies whole pages (copy on write): every source is read before any destination is written."""
+    return KVPages(k=kv_pages.k.at[:, :, destination].set(kv_pages.k[:, :, source]),
+                   v=kv_pages.v.at[:, :, destination].set(kv_pages.v[:, :, source]))
+
+
+def compile_copy_pages():
+    return jax.jit(copy_pages, donate_argnums=(0,))
