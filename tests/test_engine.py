@@ -1,6 +1,7 @@
 """LLMEngine on a tiny random model: requests in, tokens out, bad input refused, pages returned."""
 
 import jax
+import numpy as np
 import pytest
 
 from jaxserve.checkpoint.loader import load_model
@@ -115,6 +116,9 @@ def test_bad_requests_are_refused_and_allocate_nothing(engine, prompt, params, p
 @pytest.mark.parametrize("field, value, allowed", [
     ("max_tokens", 0, ">= 1"), ("temperature", -0.1, ">= 0"), ("top_p", 0.0, "(0, 1]"),
     ("top_p", 1.5, "(0, 1]"), ("top_k", -2, "-1"), ("min_p", 2.0, "[0, 1]"), ("n", 0, ">= 1"),
+    ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -3.0, "[-2, 2]"),
+    ("repetition_penalty", 0.0, "(0, 2]"), ("logprobs", 21, "[0, 20]"), ("best_of", 0, ">= n=1"),
+    ("min_tokens", -1, ">= 0"),
 ])
 def test_bad_sampling_params_name_value_and_range(field, value, allowed):
     with pytest.raises(InvalidRequestError) as error:
@@ -133,3 +137,63 @@ def test_unknown_architecture_lists_the_supported_ones():
 
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_bad_logit_bias_and_too_many_samples_are_named(engine):
+    for params, param, message in [
+            (SamplingParams(logit_bias={49152: 1.0}), "logit_bias", "token id 49152 in logit_bias is outside"),
+            (SamplingParams(n=9), "n", "n=9 exceeds max_num_seqs=8"),
+            (SamplingParams(n=2, best_of=9), "best_of", "best_of=9 exceeds max_num_seqs=8")]:
+        with pytest.raises(InvalidRequestError, match=message) as error:
+            engine.add_request([1, 2, 3], params)
+        assert error.value.param == param
+    with pytest.raises(InvalidRequestError, match=r"biases must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101.0})
+    assert not engine.has_unfinished_requests() and pool_is_full(engine)
+
+
+def test_logit_bias_and_min_tokens_steer_greedy_decoding(engine):
+    favourite = 1234
+    out = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=4, logit_bias={favourite: 100}))[0]
+    assert out.token_ids == [favourite] * 4
+    # The favourite is also a stop id: suppressed for the first 3 tokens, then it stops the request.
+    out = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=8, logit_bias={favourite: 100},
+                                                     stop_token_ids=[favourite], min_tokens=3))[0]
+    assert len(out.token_ids) == 4 and favourite not in out.token_ids[:3]
+    assert out.token_ids[3] == favourite and out.finish_reason == "stop"
+
+
+def test_repetition_penalty_changes_greedy_repeats(engine):
+    plain = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert len(set(plain.token_ids)) < len(plain.token_ids)          # the random model repeats itself
+    penalized = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                           frequency_penalty=2.0, presence_penalty=2.0))[0]
+    assert len(set(penalized.token_ids)) > len(set(plain.token_ids))
+
+
+def test_logprobs_equal_log_softmax_of_transformers_logits(engine, tiny_models):
+    import torch
+
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    out = generate(engine, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))[0]
+    with torch.no_grad():
+        logits = tiny_models("llama")[1](torch.tensor([prompt + out.token_ids])).logits[0].double()
+    reference = torch.log_softmax(logits, -1).numpy()[len(prompt) - 1:-1]
+    assert len(out.logprobs) == 6
+    for position, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[position] and len(lp.top) == 5
+        assert abs(lp.logprob - reference[position, lp.token_id]) < 1e-4
+        assert [t for t, _ in lp.top] == np.argsort(-reference[position])[:5].tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], np.sort(reference[position])[::-1][:5], atol=1e-4)
+    assert abs(out.cumulative_logprob - sum(lp.logprob for lp in out.logprobs)) < 1e-6
+
+
+def test_best_of_returns_the_most_likely_samples(engine):
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
+    request_id = engine.add_request([9, 8, 7], params)
+    finished = drain(engine)[request_id]
+    everyone = generate(engine, [9, 8, 7], SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=5,
+                                                          ignore_eos=True, logprobs=0))
+    best = sorted(everyone, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.token_ids for o in finished.outputs] == [o.token_ids for o in best]
+    assert [o.index for o in finished.outputs] == [0, 1] and pool_is_full(engine)

@@ -1,5 +1,7 @@
 """Scheduler: budgets, chunked prefill, decodes first, preemption that loses nothing."""
 
+import dataclasses
+
 import pytest
 
 from jaxserve.engine.page_allocator import PageAllocator
@@ -94,3 +96,206 @@ def test_abort_frees_pages_wherever_the_request_is():
     assert s.abort("waiting").is_finished
     assert s.abort("unknown") is None
     assert s.allocator.num_free_pages == s.allocator.num_usable_pages
+
+
+# ---- priorities -----------------------------------------------------------------------------------
+
+def prioritized(name, priority, prompt_len=4, max_tokens=4):
+    r = request(name, prompt_len, max_tokens)
+    r.priority = priority
+    return r
+
+
+def test_high_priority_request_behind_a_full_queue_starts_first():
+    s = make(max_num_seqs=2, budget=64, policy="priority")
+    for name in ("run0", "run1"):
+        s.add(prioritized(name, 5, max_tokens=2))
+    run_step(s)                                   # the batch is full
+    for i in range(4):
+        s.add(prioritized(f"low{i}", 5))
+    s.add(prioritized("urgent", -1))
+    started = []
+    while s.has_unfinished():
+        out = run_step(s)
+        started += [q.request_id for q in out.sequences if q.start_position == 0]
+    assert started[0] == "urgent" and set(started) == {"urgent", "low0", "low1", "low2", "low3"}
+
+
+def test_fcfs_ignores_priority():
+    s = make(max_num_seqs=1, budget=64, policy="fcfs")
+    s.add(prioritized("first", 5))
+    s.add(prioritized("second", -5))
+    assert [q.request_id for q in s.schedule().sequences] == ["first"]
+
+
+def test_a_waiting_low_priority_request_is_promoted_and_not_starved():
+    s = make(max_num_seqs=1, budget=64, policy="priority", max_wait_steps=6)
+    s.add(prioritized("low", 10, max_tokens=1))
+    started = {}
+    for step in range(40):                        # a new urgent request arrives every step
+        s.add(prioritized(f"urgent{step}", 0, max_tokens=1))
+        for q in run_step(s).sequences:
+            started.setdefault(q.request_id, step)
+    assert "low" in started and started["low"] <= 6 + 1     # without promotion it would never start
+
+
+def test_preemption_picks_the_worst_ranked_running_request():
+    s = make(num_pages=4, page_size=4, max_num_seqs=4, budget=64, policy="priority")   # 3 usable pages
+    s.add(prioritized("important", 0, max_tokens=8))
+    s.add(prioritized("minor", 9, max_tokens=8))
+    run_step(s)
+    out = run_step(s)                             # both need a second page; only one is free
+    assert "minor" in out.preempted_ids and [q.request_id for q in out.sequences] == ["important"]
+
+
+# ---- parallel samples ------------------------------------------------------------------------------
+
+def test_forked_samples_start_from_the_first_samples_prompt_pages():
+    s = make(num_pages=16, page_size=4, max_num_seqs=4, budget=64)
+    samples = [request(f"r/{i}", 6, max_tokens=3) for i in range(3)]
+    s.add(samples[0], forks=samples[1:])
+    out = run_step(s)                             # only the first sample prefills
+    assert [q.request_id for q in out.sequences] == ["r/0"] and out.sequences[0].num_tokens == 6
+    out = run_step(s)                             # the others recompute the last prompt token
+    assert [(q.request_id, q.num_tokens, q.start_position) for q in out.sequences] == [
+        ("r/0", 1, 6), ("r/1", 1, 5), ("r/2", 1, 5)]
+    shared_full_page = s.allocator.block_table("r/0")[0]
+    assert all(s.allocator.block_table(f"r/{i}")[0] == shared_full_page for i in range(3))
+    assert len(out.page_copies) == 2              # the half-full last page, copied for two of them
+    while s.has_unfinished():
+        run_step(s)
+    assert s.allocator.num_free_pages == s.allocator.num_usable_pages
+
+
+def test_a_request_waits_for_seats_for_all_its_samples():
+    s = make(max_num_seqs=3, budget=64)
+    s.add(request("solo", 4, max_tokens=8))
+    run_step(s)
+    samples = [request(f"g/{i}", 4) for i in range(3)]
+    s.add(samples[0], forks=samples[1:])
+    assert [q.request_id for q in s.schedule().sequences] == ["solo"]
+
+
+# ---- through the engine, on a tiny random model with a long context -----------------------------------
+
+LONG = dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2304)
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory, smollm2_tokenizer):
+    from conftest import write_tiny_model
+    from jaxserve.checkpoint.loader import load_model
+
+    directory = tmp_path_factory.mktemp("long_tiny")
+    write_tiny_model(directory, "llama", smollm2_tokenizer, max_position_embeddings=4096)
+    return load_model(str(directory), "float32")
+
+
+def engine_for(model, **overrides):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**{**LONG, "num_pages": 640, **overrides}), model=model)
+
+
+@pytest.fixture(scope="module")
+def cached_engine(long_tiny):
+    return engine_for(long_tiny)
+
+
+@pytest.fixture(scope="module")
+def uncached_engine(long_tiny):
+    return engine_for(long_tiny, enable_prefix_caching=False)
+
+
+def record_steps(engine, monkeypatch):
+    """Every SchedulerOutput the engine runs, in order."""
+    steps = []
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda output: (steps.append(output), execute(output))[1])
+    return steps
+
+
+def finish_all(engine, on_step=None):
+    finished = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if on_step:
+            on_step(outputs)
+        finished.update({o.request_id: o for o in outputs if o.finished})
+    return finished
+
+
+def greedy(max_tokens, **extra):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def prompt_of(length, start):
+    return [(start + 37 * i) % 40000 + 100 for i in range(length)]
+
+
+def test_second_request_prefills_only_its_suffix(cached_engine, uncached_engine, monkeypatch):
+    shared = prompt_of(256, 1)
+    first, second = shared + prompt_of(40, 7), shared + prompt_of(23, 9)
+    steps = record_steps(cached_engine, monkeypatch)
+    hits_before = cached_engine.stats().prefix_cache_hits
+    cached_engine.add_request(first, greedy(8), request_id="first")
+    finish_all(cached_engine)
+    cached_engine.add_request(second, greedy(8), request_id="second")
+    with_cache = finish_all(cached_engine)["second"].outputs[0].token_ids
+    prefilled = sum(q.num_tokens for step in steps for q in step.sequences
+                    if q.request_id == "second/0" and q.start_position < len(second))
+    assert prefilled == len(second) - 256           # the 16 shared pages came from the cache
+    assert cached_engine.stats().prefix_cache_hits - hits_before == 256
+    uncached_engine.add_request(second, greedy(8), request_id="second")
+    assert finish_all(uncached_engine)["second"].outputs[0].token_ids == with_cache
+
+
+def test_n_samples_share_the_prompt_pages(uncached_engine):
+    prompt, params = prompt_of(512, 3), SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+
+    def peak_pages(submit):
+        peak = []
+        allocator = uncached_engine.allocator
+        submit()
+        finished = finish_all(uncached_engine, lambda _: peak.append(
+            allocator.num_usable_pages - allocator.num_free_pages))
+        return max(peak), finished
+
+    shared_peak, shared = peak_pages(lambda: uncached_engine.add_request(prompt, dataclasses.replace(params, n=8),
+                                                                         request_id="n8"))
+    separate_peak, _ = peak_pages(lambda: [uncached_engine.add_request(prompt, params) for _ in range(8)])
+    assert shared_peak * 4 <= separate_peak, (shared_peak, separate_peak)
+    uncached_engine.add_request(prompt, dataclasses.replace(params, n=8), request_id="again")
+    again = finish_all(uncached_engine)["again"]
+    samples = [o.token_ids for o in shared["n8"].outputs]
+    assert [o.token_ids for o in again.outputs] == samples and len({tuple(t) for t in samples}) == 8
+
+
+def test_long_prompt_is_chunked_while_streams_keep_decoding(cached_engine, monkeypatch):
+    streams = [cached_engine.add_request(prompt_of(20, i), greedy(40)) for i in range(7)]
+    finish_steps = []
+    while len(finish_steps) < 2:                    # the 7 streams are decoding
+        finish_steps.append(cached_engine.step())
+    steps = record_steps(cached_engine, monkeypatch)
+    cached_engine.add_request(prompt_of(2000, 999), greedy(4), request_id="long")
+    moved_per_step = []
+    while not any(q.request_id == "long/0" and q.samples for step in steps for q in step.sequences):
+        moved_per_step.append({o.request_id for o in cached_engine.step()})
+    chunks = [q.num_tokens for step in steps for q in step.sequences if q.request_id == "long/0"]
+    assert len(chunks) >= 8 and sum(chunks) == 2000 and max(chunks) <= 256
+    assert all(moved >= set(streams) for moved in moved_per_step)   # every stream got a token every step
+    finish_all(cached_engine)
+
+
+def test_preempted_requests_finish_with_the_tokens_of_a_large_pool(long_tiny, uncached_engine):
+    small = engine_for(long_tiny, max_model_len=256, num_pages=18)     # 17 pages; one sequence needs 16
+    requests = [(prompt_of(17 + 5 * i, i), greedy(24 + i)) for i in range(32)]
+    for i, (prompt, params) in enumerate(requests):
+        small.add_request(prompt, params, request_id=str(i))
+        uncached_engine.add_request(prompt, params, request_id=str(i))
+    got, expected = finish_all(small), finish_all(uncached_engine)
+    assert small.stats().num_preemptions > 0
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
+        k: v.outputs[0].token_ids for k, v in expected.items()}
+    assert small.allocator.num_free_pages == small.allocator.num_usable_pages
