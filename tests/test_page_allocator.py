@@ -59,6 +59,17 @@ def test_cached_prefix_is_shared_and_outlives_its_request():
     assert allocator.evictable_pages() == []
 
 
+def test_a_lost_pool_clears_the_cache():
+    allocator = PageAllocator(num_pages=8, page_size=4)
+    hashes = page_hashes(list(range(8)), 4, [])
+    allocator.allocate("a", 8)
+    allocator.cache_pages("a", hashes)
+    allocator.free("a")
+    allocator.clear_cache()
+    assert allocator.match_prefix("b", hashes) == 0 and allocator.num_free_pages == 7
+    assert allocator.evictable_pages() == []
+
+
 def test_caching_off_matches_nothing():
     allocator = PageAllocator(num_pages=8, page_size=4, enable_caching=False)
     hashes = page_hashes(list(range(8)), 4, [])

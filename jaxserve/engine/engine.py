@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -70,7 +71,7 @@ class _Group:
         params = self.samples[0].params
         outputs = [self._sample_output(i) for i in range(len(self.samples))]
         if not self.streams:
-            best = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n] if self.finished else []
+            best = sorted(outputs, key=_likelihood, reverse=True)[:params.n] if self.finished else []
             outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error)
 
@@ -82,6 +83,10 @@ class _Group:
             i, self.texts[i].text, list(sample.output_token_ids), reason,
             logprobs=list(logprobs) if sample.params.logprobs is not None else None,
             cumulative_logprob=sum(lp.logprob for lp in logprobs) if computed else None)
+
+
+def _likelihood(output: CompletionOutput) -> float:
+    return -math.inf if output.cumulative_logprob is None else output.cumulative_logprob
 
 
 class LLMEngine:
@@ -250,7 +255,8 @@ class LLMEngine:
         """Fails the requests of a step that raised (all running ones if the pool was lost)."""
         log.exception("engine step failed: %s", error)
         failed = {s.request_id for s in output.sequences}
-        if self.runner.pool_is_lost():
+        pool_lost = self.runner.pool_is_lost()
+        if pool_lost:
             failed |= {r.request_id for r in self.scheduler.running}
             self.runner.reset_pool()
         results = []
@@ -261,4 +267,6 @@ class LLMEngine:
                 group.error = f"engine step failed: {type(error).__name__}: {error}"
                 results.append(group.output(request_id))
                 del self._groups[request_id]
+        if pool_lost:
+            self.allocator.clear_cache()   # after the failed requests released their pages
         return results

@@ -108,6 +108,13 @@ class PageAllocator:
                 self._hash_of_page[page] = hashes[i]
         self._num_registered[seq_id] = max(self._num_registered.get(seq_id, 0), len(hashes))
 
+    def clear_cache(self) -> None:
+        """Forgets every cached page (the pool's contents were lost); unreferenced ones become free."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_of_hash.clear()
+        self._hash_of_page.clear()
+
     # ---- allocation -----------------------------------------------------------------------------
 
     def allocate(self, seq_id: str, num_tokens: int, write_from: int | None = None) -> list[tuple[int, int]] | None:
