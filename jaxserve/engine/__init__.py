@@ -5,15 +5,19 @@
     LLMEngine.step()
         Scheduler.schedule()   picks this step's sequences and how many tokens each computes,
                                under max_num_seqs and max_num_batched_tokens; running requests
-                               first, then waiting ones; long prompts in chunks; asks the
-                               PageAllocator for pages, preempting the latest request if none
-                               are free -> one SchedulerOutput
+                               first, then waiting ones by rank (arrival, or priority); long
+                               prompts in chunks; cached prefixes taken from the PageAllocator,
+                               which gives pages (copying shared ones before they are written),
+                               preempting the worst-ranked request if none are free
+                               -> one SchedulerOutput
         Runner.execute()       picks the smallest compiled shape (bucket) that holds the step,
                                builds its padded arrays (batch.py) and calls the jitted
                                step(params, kv_pages, batch) -> (tokens, kv_pages), kv_pages
                                donated: model forward over the paged KV pool, then sampling
-        Scheduler.update()     advances each request, appends its token, finishes and frees
-                               the pages of requests that hit EOS, a stop id or max_tokens
+        Scheduler.update()     advances each request, registers its full pages in the prefix
+                               cache, appends its token, forks the other samples of a prompt,
+                               finishes and frees the pages of requests that hit EOS, a stop id
+                               or max_tokens
         SampleText.add()       extends each sample's text; stop strings end it
     -> RequestOutput per request that moved
 
