@@ -74,6 +74,56 @@ def test_n_samples_share_one_stream(tiny_engine):
     assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in final.outputs)
 
 
+def test_priority_is_passed_to_the_engine(tiny_engine, monkeypatch):
+    add_request = tiny_engine.add_request
+    seen = []
+
+    def record(prompt, params, request_id=None, priority=0):
+        seen.append((request_id, priority))
+        return add_request(prompt, params, request_id, priority)
+
+    monkeypatch.setattr(tiny_engine, "add_request", record)
+
+    async def scenario(engine):
+        await collect(await engine.add_request("a", GREEDY, "low", priority=5))
+        await collect(await engine.add_request("b", GREEDY, "default"))
+
+    run(tiny_engine, scenario)
+    assert seen == [("low", 5), ("default", 0)]
+
+
+def test_best_of_counts_every_sample_against_the_queue_limit(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.05)
+
+    async def scenario(engine):
+        busy = await engine.add_request("busy", SamplingParams(n=8, max_tokens=50))
+        await anext(busy)  # running: the batch (max_num_seqs=8) is full
+        waiting = await engine.add_request("ranked", SamplingParams(n=1, best_of=3, max_tokens=4))
+        with pytest.raises(QueueFullError, match="3 sequences are waiting"):
+            await engine.add_request("refused", GREEDY)
+        busy.close()
+        return (await collect(waiting))[-1]
+
+    final = run(tiny_engine, scenario, max_queue=3)
+    assert final.finished and len(final.outputs) == 1
+
+
+def test_best_of_aborted_before_its_first_token_leaves_the_engine_serving(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.05)
+
+    async def scenario(engine):
+        busy = await engine.add_request("busy", SamplingParams(n=8, max_tokens=50))
+        await anext(busy)  # the batch is full: the next request waits
+        ranked = await engine.add_request("ranked", SamplingParams(best_of=3, max_tokens=20))
+        ranked.close()
+        busy.close()
+        return (await collect(await engine.add_request("after", GREEDY)))[-1], engine.state
+
+    final, state = run(tiny_engine, scenario)
+    assert final.finished and state is EngineState.READY
+    assert pool_is_full(tiny_engine)
+
+
 def test_invalid_request_raises_before_streaming_and_engine_keeps_serving(tiny_engine):
     async def scenario(engine):
         with pytest.raises(InvalidRequestError, match=r"200 tokens.*max_model_len is 128"):

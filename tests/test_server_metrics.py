@@ -1,5 +1,6 @@
 """`GET /metrics`: vLLM's metric names under `jaxserve:`, and they move with requests."""
 
+import dataclasses
 import threading
 import time
 
@@ -14,7 +15,8 @@ NAMES = {
     "jaxserve:kv_cache_usage_perc": "gauge", "jaxserve:prompt_tokens": "counter",
     "jaxserve:generation_tokens": "counter", "jaxserve:request_success": "counter",
     "jaxserve:time_to_first_token_seconds": "histogram", "jaxserve:inter_token_latency_seconds": "histogram",
-    "jaxserve:e2e_request_latency_seconds": "histogram",
+    "jaxserve:e2e_request_latency_seconds": "histogram", "jaxserve:num_preemptions": "counter",
+    "jaxserve:prefix_cache_queries": "counter", "jaxserve:prefix_cache_hits": "counter",
 }
 
 
@@ -59,7 +61,9 @@ def test_counters_and_histograms_move(server, tiny_engine):
     assert moved("jaxserve:request_success_total", finished_reason="length") == 2
     assert moved("jaxserve:time_to_first_token_seconds_count") == 1
     assert moved("jaxserve:e2e_request_latency_seconds_count") == 1
-    assert moved("jaxserve:inter_token_latency_seconds_count") == 4  # 5 steps: the first, then 4 gaps
+    # 6 steps, 5 gaps: the first sample prefills the prompt; the second forks from its pages and
+    # samples its first token a step later (see "Parallel samples" in README).
+    assert moved("jaxserve:inter_token_latency_seconds_count") == 5
     assert moved("jaxserve:e2e_request_latency_seconds_sum") > 0
 
 
@@ -78,3 +82,29 @@ def test_gauges_follow_the_running_batch(server, tiny_engine, monkeypatch):
     request.join()
     idle = scrape(server)
     assert value(idle, "jaxserve:num_requests_running") == 0 and value(idle, "jaxserve:kv_cache_usage_perc") == 0
+
+
+def test_engine_counters_are_read_from_its_stats(server, monkeypatch):
+    stats = dataclasses.replace(server.async_engine.stats, num_preemptions=3, prefix_cache_queries=700,
+                                prefix_cache_hits=512)
+    monkeypatch.setattr(server.async_engine, "stats", stats)
+    samples = scrape(server)
+    assert value(samples, "jaxserve:num_preemptions_total") == 3
+    assert value(samples, "jaxserve:prefix_cache_queries_total") == 700
+    assert value(samples, "jaxserve:prefix_cache_hits_total") == 512
+
+
+def test_prefix_cache_counters_move_with_a_repeated_prompt(server, tiny_engine):
+    prompt = list(range(1000, 1040))   # two and a half 16-token pages
+    before = scrape(server)
+    for _ in range(2):
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        assert requests.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+    after = scrape(server)
+
+    def moved(name):
+        return value(after, name) - value(before, name)
+
+    queries, hits = moved("jaxserve:prefix_cache_queries_total"), moved("jaxserve:prefix_cache_hits_total")
+    assert queries >= len(prompt), "both prompts were looked up"
+    assert 32 <= hits <= len(prompt), "the second found at least the first's two full pages"

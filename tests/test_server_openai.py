@@ -7,6 +7,7 @@ import requests
 from server_fixtures import serving, tiny_engine  # noqa: F401 - fixture
 
 MODEL = "test-model"
+CHAT = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +126,109 @@ def test_models(client):
     assert model.id == MODEL and model.owned_by == "jaxserve"
 
 
-def test_logprobs_are_refused_not_ignored(client):
-    with pytest.raises(openai.BadRequestError, match="logprobs=2 is not supported yet"):
-        client.completions.create(model=MODEL, prompt="x", logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+def test_logprobs_not_asked_for_are_null(client):
+    completion = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert completion.choices[0].logprobs is None and chat.choices[0].logprobs is None
+
+
+def test_completion_logprobs(server, client):
+    args = dict(model=MODEL, prompt="The sea", max_tokens=6, temperature=0, logprobs=3)
+    [choice] = client.completions.create(**args).choices
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    reference = generate(server, prompt="The sea", max_tokens=6, temperature=0, logprobs=3)["outputs"][0]
+    assert logprobs.token_logprobs == [e["logprob"] for e in reference["logprobs"]]
+    offset = 0
+    for token, logprob, top, text_offset in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
+                                                logprobs.text_offset):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert next(iter(top)) == token and top[token] == logprob, "greedy: the sampled token is the top one"
+        assert text_offset == offset
+        offset += len(token)
+    chunks = list(client.completions.create(**args, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(s, field) for s in streamed), []) == getattr(logprobs, field)
+
+
+def test_generate_logprobs(server):
+    [output] = generate(server, prompt="The sea", max_tokens=5, temperature=0, logprobs=4)["outputs"]
+    assert [e["token_id"] for e in output["logprobs"]] == output["token_ids"]
+    for entry in output["logprobs"]:
+        top = entry["top_logprobs"]
+        assert len(top) == 4 and top[0] == {"token_id": entry["token_id"], "logprob": entry["logprob"]}
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+    assert output["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in output["logprobs"]), abs=1e-4)
+
+
+def test_chat_logprobs(client):
+    args = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(**args)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == content
+    assert chunks[0].choices[0].logprobs is None, "the role chunk carries no tokens"
+
+
+def test_chat_logprobs_without_top_logprobs(client):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, logprobs=True)
+    assert [e.top_logprobs for e in reply.choices[0].logprobs.content] == [[], [], []]
+
+
+def test_logit_bias_forces_a_token(server, client, tiny_engine):
+    token = 1001  # ' loc'
+    reply = generate(server, prompt="The sea", max_tokens=6, temperature=0, ignore_eos=True,
+                     logit_bias={str(token): 100})
+    assert reply["outputs"][0]["token_ids"] == [token] * 6
+    completion = client.completions.create(model=MODEL, prompt="The sea", max_tokens=4, temperature=0,
+                                           logit_bias={str(token): 100})
+    assert completion.choices[0].text == tiny_engine.tokenizer.decode([token]) * 4
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == " loc" * 3
+
+
+def test_penalties_and_min_tokens_are_accepted(server, client):
+    reply = client.completions.create(model=MODEL, prompt="The sea", max_tokens=8, temperature=0,
+                                      presence_penalty=1.5, frequency_penalty=-0.5,
+                                      extra_body={"repetition_penalty": 1.3, "min_tokens": 8})
+    assert reply.usage.completion_tokens == 8
+    assert len(generate(server, prompt="x", max_tokens=4, repetition_penalty=0.8)["outputs"]) == 1
+
+
+def test_best_of_returns_the_n_most_likely_samples(client):
+    args = dict(model=MODEL, prompt="Once", max_tokens=6, temperature=1.0, seed=21, logprobs=0)
+    ranked = client.completions.create(**args, n=2, best_of=4)
+    assert [c.index for c in ranked.choices] == [0, 1] and ranked.usage.completion_tokens == 12
+    every = client.completions.create(**args, n=4)
+    likelihood = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = sorted(likelihood.values(), reverse=True)[:2]
+    assert sorted((likelihood[c.text] for c in ranked.choices), reverse=True) == pytest.approx(best, abs=1e-4)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"prompt": "x"}),
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+])
+def test_priority_reaches_the_engine_on_every_endpoint(server, tiny_engine, monkeypatch, path, body):
+    add_request = tiny_engine.add_request
+    seen = []
+
+    def record(prompt, params, request_id=None, priority=0):
+        seen.append(priority)
+        return add_request(prompt, params, request_id, priority)
+
+    monkeypatch.setattr(tiny_engine, "add_request", record)
+    for stream in (False, True):
+        reply = requests.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "priority": -7,
+                                                           "stream": stream}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    assert seen == [-7, -7]

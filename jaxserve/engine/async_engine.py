@@ -195,8 +195,9 @@ class AsyncEngine:
     # ---- requests (event loop side) -------------------------------------------------------
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None) -> RequestStream:
-        """Queues a request; raises InvalidRequestError, QueueFullError or EngineUnavailableError."""
+                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Queues a request (`priority`: lower runs sooner under the priority scheduling policy);
+        raises InvalidRequestError, QueueFullError or EngineUnavailableError."""
         if self.state is not EngineState.READY:
             raise EngineUnavailableError(f"the engine is {self.state.value}")
         if self.max_queue is not None and self.stats.num_waiting + self._pending >= self.max_queue:
@@ -210,8 +211,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, params.n, self._send_abort, self.observer)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
-        self._pending += params.n
-        self._commands.put(("add", request_id, prompt, params, accepted))
+        self._pending += params.num_samples
+        self._commands.put(("add", request_id, prompt, params, priority, accepted))
         try:
             await asyncio.shield(accepted)
         except asyncio.CancelledError:
@@ -306,15 +307,15 @@ class AsyncEngine:
             else:
                 self._abort(live, command[1])
 
-    def _add(self, live: set[str], request_id: str, prompt, params: SamplingParams,
+    def _add(self, live: set[str], request_id: str, prompt, params: SamplingParams, priority: int,
              accepted: asyncio.Future) -> None:
         error = None
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, priority)
             live.add(request_id)
         except Exception as exc:  # noqa: BLE001 - the caller gets it (InvalidRequestError: a 400)
             error = exc
-        self._post(self._on_added, accepted, params.n, error, self._stats())
+        self._post(self._on_added, accepted, params.num_samples, error, self._stats())
 
     def _abort(self, live: set[str], request_id: str) -> None:
         live.discard(request_id)

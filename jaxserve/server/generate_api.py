@@ -6,23 +6,25 @@ import uuid
 
 from aiohttp import web
 
+from jaxserve.server.logprobs import generate_logprobs
 from jaxserve.server.openai_protocol import (
     GenerateChunk, GenerateOutput, GenerateRequest, GenerateResponse, GenerateStreamOutput)
 from jaxserve.server.serving import (
-    CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body, sampling_params,
-    usage)
+    CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body, usage)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, GenerateRequest)
-    params = sampling_params(body, body.max_tokens, context.config.max_n)
-    streams = await admit(context.engine, [body.prompt], params, f"gen-{uuid.uuid4().hex}")
+    params = context.sampling_params(body, body.max_tokens)
+    streams = await admit(context.engine, [body.prompt], params, f"gen-{uuid.uuid4().hex}", body.priority)
     if body.stream:
         return await _stream(request, streams, params.n)
     [output] = await final_outputs(streams)
     outputs = [GenerateOutput(index=c.index, output_text=c.text, token_ids=c.token_ids,
-                              finish_reason=c.finish_reason) for c in output.outputs]
+                              logprobs=None if c.logprobs is None else generate_logprobs(c.logprobs),
+                              cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason)
+               for c in output.outputs]
     return json_response(GenerateResponse(outputs=outputs, usage=usage([output])))
 
 
@@ -33,6 +35,7 @@ async def _stream(request: web.Request, streams, n: int) -> web.StreamResponse:
             moved = deltas.updates(0, output)
             if moved:
                 await events.send(GenerateChunk(outputs=[
-                    GenerateStreamOutput(index=i, output_text=text, finish_reason=reason)
-                    for i, text, reason in moved]))
+                    GenerateStreamOutput(index=d.choice, output_text=d.text, finish_reason=d.finish_reason,
+                                         logprobs=None if d.logprobs is None else generate_logprobs(d.logprobs))
+                    for d in moved]))
     return events.response

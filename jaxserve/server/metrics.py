@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names with our prefix, so existing dashboards map one to one.
 
-Each app has its own registry (several servers in one process do not collide). Gauges are read
-from the async engine's latest stats when scraped; the rest is fed by `RequestObserver` calls.
+Each app has its own registry (several servers in one process do not collide). Gauges and the
+engine's cumulative counters (preemptions, prefix cache) are read from the async engine's latest
+stats when scraped; the rest is fed by `RequestObserver` calls.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from jaxserve.engine.async_engine import EngineStats
 
@@ -50,6 +52,7 @@ class Metrics:
         self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self._itl = histogram("inter_token_latency_seconds", "Time between a request's steps.", _ITL_BUCKETS)
         self._e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.registry.register(_EngineCounters(label, stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -71,3 +74,27 @@ class Metrics:
         for reason in finish_reasons:
             self._success.labels(**self._label, finished_reason=reason).inc()
         self._e2e.observe(seconds)
+
+
+class _EngineCounters:
+    """Counters the engine keeps itself (cumulative fields of `EngineStats`), read when scraped: a
+    prometheus `Counter` can only be incremented, not read from a function."""
+
+    COUNTERS = (
+        ("num_preemptions", "Sequences preempted (their pages freed, later recomputed).",
+         lambda s: s.num_preemptions),
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
+         lambda s: s.prefix_cache_hits),
+    )
+
+    def __init__(self, label: dict[str, str], stats: Callable[[], EngineStats]):
+        self._label = label
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        for name, doc, read in self.COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._label))
+            family.add_metric(list(self._label.values()), read(stats))
+            yield family

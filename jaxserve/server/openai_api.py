@@ -10,12 +10,14 @@ import jinja2
 from aiohttp import web
 
 from jaxserve.engine.async_engine import RequestStream
+from jaxserve.engine.output import CompletionOutput
 from jaxserve.errors import InvalidRequestError
+from jaxserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.openai_protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, Delta)
 from jaxserve.server.serving import (
-    CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body, sampling_params,
+    CONTEXT, ChoiceDelta, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body,
     usage)
 from jaxserve.tokenizer import chat_prompt_ids
 
@@ -24,25 +26,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, CompletionRequest)
     context.check_model(body.model)
-    params = sampling_params(body, body.max_new_tokens(), context.config.max_n)
+    params = context.sampling_params(body, body.max_new_tokens())
+    texts = TokenTexts(context.engine.loaded().tokenizer)
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=context.model_name)
-    streams = await admit(context.engine, body.prompts(), params, head["id"])
+    streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority)
     if body.stream:
-        return await _stream_completions(request, body, streams, head, params.n)
+        return await _stream_completions(request, body, streams, head, params.n, texts)
     outputs = await final_outputs(streams)
-    choices = [CompletionChoice(index=p * params.n + c.index, text=c.text, finish_reason=c.finish_reason)
-               for p, output in enumerate(outputs) for c in output.outputs]
+    # Ranked by position: with best_of, the engine returns the n best of more samples.
+    choices = [_completion_choice(p * params.n + i, sample, texts)
+               for p, output in enumerate(outputs) for i, sample in enumerate(output.outputs)]
     return json_response(CompletionResponse(**head, choices=choices, usage=usage(outputs)))
 
 
+def _completion_choice(index: int, sample: CompletionOutput, texts: TokenTexts) -> CompletionChoice:
+    logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, texts)
+    return CompletionChoice(index=index, text=sample.text, logprobs=logprobs, finish_reason=sample.finish_reason)
+
+
 async def _stream_completions(request: web.Request, body: CompletionRequest, streams: Sequence[RequestStream],
-                              head: dict, n: int) -> web.StreamResponse:
+                              head: dict, n: int, texts: TokenTexts) -> web.StreamResponse:
     deltas, finals = TextDeltas(n), []
+    offsets: dict[int, int] = {}   # choice -> length of the token texts sent (the next text_offset)
     async with EventStream(request) as events:
         async for p, output in merged(streams):
-            for choice, text, reason in deltas.updates(p, output):
+            for delta in deltas.updates(p, output):
                 await events.send(CompletionResponse(
-                    **head, choices=[CompletionChoice(index=choice, text=text, finish_reason=reason)]))
+                    **head, choices=[_completion_delta(delta, texts, offsets)]))
             if output.finished:
                 finals.append(output)
         if body.include_usage:
@@ -50,33 +60,46 @@ async def _stream_completions(request: web.Request, body: CompletionRequest, str
     return events.response
 
 
+def _completion_delta(delta: ChoiceDelta, texts: TokenTexts, offsets: dict[int, int]) -> CompletionChoice:
+    logprobs = None
+    if delta.logprobs:
+        logprobs = completion_logprobs(delta.logprobs, texts, offsets.get(delta.choice, 0))
+        offsets[delta.choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    return CompletionChoice(index=delta.choice, text=delta.text, logprobs=logprobs,
+                            finish_reason=delta.finish_reason)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, ChatCompletionRequest)
     context.check_model(body.model)
-    params = sampling_params(body, body.max_new_tokens(), context.config.max_n)
-    prompt = chat_prompt(context.engine.loaded().tokenizer, body.messages)
+    params = context.sampling_params(body, body.max_new_tokens())
+    tokenizer = context.engine.loaded().tokenizer
+    prompt = chat_prompt(tokenizer, body.messages)
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=context.model_name)
-    streams = await admit(context.engine, [prompt], params, head["id"])
+    streams = await admit(context.engine, [prompt], params, head["id"], body.priority)
+    texts = TokenTexts(tokenizer)
     if body.stream:
-        return await _stream_chat(request, body, streams, head, params.n)
+        return await _stream_chat(request, body, streams, head, params.n, texts)
     [output] = await final_outputs(streams)
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
+    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                          logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts))
                for c in output.outputs]
     return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output])))
 
 
 async def _stream_chat(request: web.Request, body: ChatCompletionRequest, streams: Sequence[RequestStream],
-                       head: dict, n: int) -> web.StreamResponse:
+                       head: dict, n: int, texts: TokenTexts) -> web.StreamResponse:
     deltas, finals = TextDeltas(n), []
     async with EventStream(request) as events:
         for choice in range(n):
             await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
                 index=choice, delta=Delta(role="assistant", content=""))]))
         async for _, output in merged(streams):
-            for choice, text, reason in deltas.updates(0, output):
+            for delta in deltas.updates(0, output):
                 await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
-                    index=choice, delta=Delta(content=text or None), finish_reason=reason)]))
+                    index=delta.choice, delta=Delta(content=delta.text or None), finish_reason=delta.finish_reason,
+                    logprobs=chat_logprobs(delta.logprobs, texts) if delta.logprobs else None)]))
             if output.finished:
                 finals.append(output)
         if body.include_usage:

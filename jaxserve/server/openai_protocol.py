@@ -4,7 +4,7 @@ Validation, the 400 messages and the OpenAPI schema all come from these models. 
 parsed strictly from JSON (`model_validate_json`) and forbid unknown fields, so a parameter we do
 not implement is refused rather than silently ignored; the OpenAI parameters clients commonly
 send with their neutral value are declared, and refused only when set to something else
-(`unsupported()`).
+(`unsupported()`). `check()` adds the rules between fields that a schema cannot say.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 FinishReason = Literal["stop", "length", "abort"] | None
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class _Request(BaseModel):
@@ -28,6 +30,10 @@ class _Request(BaseModel):
 
     # Declared for compatibility; a value other than this default is answered with a 400.
     UNSUPPORTED: ClassVar[dict] = {}
+
+    def check(self) -> None:
+        """Raises InvalidRequestError for what the field types cannot refuse on their own."""
+        self.unsupported()
 
     def unsupported(self) -> None:
         """Raises InvalidRequestError for a parameter set to a value we do not implement yet."""
@@ -50,19 +56,51 @@ class SamplingFields(_Request):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    priority: int = Field(0, description="Accepted for vLLM compatibility; not used yet.")
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = Field(
+        1.0, description="vLLM's: divides the logits of tokens seen in the prompt or output (1 = off).")
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="Token id (a decimal string) -> bias in [-100, 100], added to its logit.")
+    priority: int = Field(0, description="Lower runs sooner under --scheduling-policy priority (first come, "
+                                         "first served within a level); no effect under fcfs.")
     stream: bool | None = False
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, vocab_size: int) -> SamplingParams:
         return SamplingParams(
             n=self.n or 1, temperature=_default(self.temperature, 1.0), top_p=_default(self.top_p, 1.0),
             top_k=_default(self.top_k, -1), min_p=_default(self.min_p, 0.0), seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
-            stop=self.stop or (), ignore_eos=self.ignore_eos)
+            stop=self.stop or (), ignore_eos=self.ignore_eos,
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            logit_bias=token_bias(self.logit_bias or {}, vocab_size),
+            logprobs=self.num_logprobs(), best_of=self.samples_to_rank())
+
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token the reply shows (None: no logprobs at all)."""
+        return None
+
+    def samples_to_rank(self) -> int | None:
+        """best_of: samples generated to return the n most likely (None: just n)."""
+        return None
 
 
 def _default(value, default):
     return default if value is None else value
+
+
+def token_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys, checked against the
+    vocabulary; the biases themselves are checked by SamplingParams."""
+    by_id = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            raise InvalidRequestError("logit_bias", f"logit_bias key {key!r} is not a token id: keys must be "
+                                                    f"integers in [0, {vocab_size})")
+        by_id[int(key)] = value
+    return by_id
 
 
 class StreamOptions(_Request):
@@ -75,11 +113,6 @@ class _OpenAIRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-
-    UNSUPPORTED: ClassVar[dict] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
 
     @property
     def include_usage(self) -> bool:
@@ -93,13 +126,29 @@ class CompletionRequest(_OpenAIRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = Field(None, description="Also the logprobs of this many most likely "
+                                                           "tokens at each step (OpenAI allows up to 5).")
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Generate this many samples and return the n with the highest cumulative logprob; "
+                          "not with stream.")
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict] = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None,
-                                   **_OpenAIRequest.UNSUPPORTED}
+    UNSUPPORTED: ClassVar[dict] = {"echo": False, "suffix": None}
+
+    def check(self) -> None:
+        super().check()
+        n = self.n or 1
+        if self.stream and self.best_of is not None and self.best_of > n:
+            raise InvalidRequestError("best_of", f"best_of={self.best_of} cannot be streamed: only the finished "
+                                                 f"samples can be ranked (send stream=false, or best_of <= n={n})")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def samples_to_rank(self) -> int | None:
+        # best_of == n ranks nothing: the same as n alone.
+        return None if self.best_of == (self.n or 1) else self.best_of
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (text or token ids)."""
@@ -127,14 +176,25 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = Field(None, description="Needs logprobs=true.")
 
-    UNSUPPORTED: ClassVar[dict] = {"logprobs": False, "top_logprobs": None, **_OpenAIRequest.UNSUPPORTED}
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class GenerateRequest(SamplingFields):
     prompt: str | TokenIds
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: NumLogprobs | None = Field(None, description="Return each token's logprob and those of this "
+                                                           "many most likely tokens.")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -145,10 +205,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(description="The most likely tokens' texts and logprobs, and "
+                                                             "the sampled token's.")
+    text_offset: list[int] = Field(description="Where each token's text starts in the completion text.")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -166,10 +236,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="The token's text in UTF-8.")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -191,7 +275,7 @@ class Delta(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -204,10 +288,21 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class TokenIdLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class GenerateTokenLogprob(TokenIdLogprob):
+    top_logprobs: list[TokenIdLogprob] = Field(description="The most likely tokens, most likely first.")
+
+
 class GenerateOutput(BaseModel):
     index: int
     output_text: str
     token_ids: list[int]
+    logprobs: list[GenerateTokenLogprob] | None = Field(None, description="One per token, when asked for.")
+    cumulative_logprob: float | None = None
     finish_reason: FinishReason = None
 
 
@@ -219,6 +314,8 @@ class GenerateResponse(BaseModel):
 class GenerateStreamOutput(BaseModel):
     index: int
     output_text: str = Field(description="The text added since the previous chunk.")
+    logprobs: list[GenerateTokenLogprob] | None = Field(
+        None, description="The tokens generated since the previous chunk, when asked for.")
     finish_reason: FinishReason = None
 
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from jaxserve.engine.output import RequestOutput
+from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
@@ -42,6 +42,18 @@ class ServerContext:
             raise APIError(400, f"model={model!r} is not served here; the served model is {self.model_name!r}",
                            "model", "model_not_found")
 
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+        """The body's sampling parameters, checked against --max-n and the model's vocabulary."""
+        max_n = self.config.max_n
+        n = body.n or 1
+        if n > max_n:
+            raise InvalidRequestError("n", f"n={n} is out of range: must be in [1, {max_n}] (--max-n)")
+        params = body.sampling_params(max_tokens, self.engine.loaded().model.config.vocab_size)
+        if params.best_of is not None and params.best_of > max_n:
+            raise InvalidRequestError("best_of", f"best_of={params.best_of} is out of range: must be in "
+                                                 f"[n={n}, {max_n}] (--max-n)")
+        return params
+
 
 CONTEXT = web.AppKey("jaxserve_context", ServerContext)
 
@@ -59,26 +71,19 @@ async def parse_body(request: web.Request, model: type[BaseModel]):
         if first["type"] == "model_type":
             raise APIError(400, "the body must be a JSON object", None, "invalid_json") from None
         raise validation_error(error, model) from None
-    if hasattr(body, "unsupported"):
-        body.unsupported()
+    if hasattr(body, "check"):
+        body.check()
     return body
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, max_n: int) -> SamplingParams:
-    n = body.n or 1
-    if n > max_n:
-        raise InvalidRequestError("n", f"n={n} is out of range: must be in [1, {max_n}] (--max-n)")
-    return body.sampling_params(max_tokens)
-
-
 async def admit(engine: AsyncEngine, prompts: Sequence[str | list[int]], params: SamplingParams,
-                request_id: str) -> list[RequestStream]:
+                request_id: str, priority: int = 0) -> list[RequestStream]:
     """One engine request per prompt; all or none (the admitted ones are aborted if one fails)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             suffix = f"-{i}" if len(prompts) > 1 else ""
-            streams.append(await engine.add_request(prompt, params, request_id + suffix))
+            streams.append(await engine.add_request(prompt, params, request_id + suffix, priority))
     except BaseException:
         close_all(streams)
         raise
@@ -116,16 +121,28 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
         close_all(streams)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice gained since its previous delta."""
+
+    choice: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None   # the new tokens' (None: not asked for); text held back
+                                          # for a stop string does not hold back its tokens' logprobs
+
+
 class TextDeltas:
     """Turns cumulative outputs into per-choice pieces: choice index = prompt index * n + sample."""
 
     def __init__(self, n: int):
         self.n = n
-        self._sent: dict[int, int] = {}      # choice -> characters sent
+        self._sent: dict[int, int] = {}         # choice -> characters sent
+        self._sent_tokens: dict[int, int] = {}  # choice -> logprob entries sent
         self._finished: set[int] = set()
 
-    def updates(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, str, str | None]]:
-        """(choice, new text, finish reason or None) for each choice that moved."""
+    def updates(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
+        """A delta for each choice whose text grew or that finished."""
         moved = []
         for sample in output.outputs:
             choice = prompt_index * self.n + sample.index
@@ -134,10 +151,17 @@ class TextDeltas:
             new = sample.text[self._sent.get(choice, 0):]
             if new or sample.finish_reason:
                 self._sent[choice] = len(sample.text)
-                moved.append((choice, new, sample.finish_reason))
+                moved.append(ChoiceDelta(choice, new, sample.finish_reason, self._new_logprobs(choice, sample)))
                 if sample.finish_reason:
                     self._finished.add(choice)
         return moved
+
+    def _new_logprobs(self, choice: int, sample) -> list[TokenLogprob] | None:
+        if sample.logprobs is None:
+            return None
+        sent = self._sent_tokens.get(choice, 0)
+        self._sent_tokens[choice] = len(sample.logprobs)
+        return sample.logprobs[sent:]
 
 
 def json_response(model: BaseModel) -> web.Response:
