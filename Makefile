@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast serve generate bench clean
+.PHONY: install test test-fast serve generate bench bench-prefix bench-chunked clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ generate: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_offline.py --workload ../shared/workloads/anchor-64.jsonl --compare-hf
+
+bench-prefix: $(STAMP)
+	$(PY) tools/bench_serving.py --workload ../shared/workloads/shared-prefix.jsonl --concurrency 8 --warmup 1 \
+		--launch "--enable-prefix-caching" --launch "--no-enable-prefix-caching"
+
+# --max-num-seqs above the 8 streams, so the long prompt is admitted at once
+bench-chunked: $(STAMP)
+	$(PY) tools/bench_serving.py --workload ../shared/workloads/shared-prefix.jsonl --scenario long-prompt \
+		--launch "--enable-chunked-prefill --max-model-len 2304 --max-num-seqs 16" \
+		--launch "--no-enable-chunked-prefill --max-model-len 2304 --max-num-batched-tokens 2304 --max-num-seqs 16"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

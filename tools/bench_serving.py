@@ -9,6 +9,20 @@ greedy sampling, so every system makes the same number of tokens. Per request it
 time to first token (TTFT), the time per output token after the first (TPOT), the gaps between
 streamed chunks (ITL) and the end-to-end latency; it prints p50/p95/p99 of each, requests/s and
 output tokens/s, and writes a JSON result and (with matplotlib) a PNG of the distributions.
+
+Comparing server configurations in one run: each `--launch "FLAGS"` starts
+`python -m jaxserve.serve --port 0 FLAGS` in turn (never two at once), waits until it is ready
+(compiling is not timed), runs the benchmark, stops it with SIGTERM; a table then compares the
+configurations, with ratios against the first:
+
+    python tools/bench_serving.py --workload ../shared/workloads/shared-prefix.jsonl --concurrency 8 \
+        --warmup 1 --launch "--enable-prefix-caching" --launch "--no-enable-prefix-caching"
+    python tools/bench_serving.py --workload ../shared/workloads/shared-prefix.jsonl --scenario long-prompt \
+        --launch "--enable-chunked-prefill --max-model-len 2304 --max-num-seqs 16" \
+        --launch "--no-enable-chunked-prefill --max-model-len 2304 --max-num-batched-tokens 2304 --max-num-seqs 16"
+
+`--scenario long-prompt` measures how long one long prompt stalls running streams instead (see
+bench_long_prompt.py).
 """
 
 from __future__ import annotations
@@ -18,6 +32,8 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
+import signal
 import statistics
 import sys
 import time
@@ -26,9 +42,13 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
+import bench_long_prompt
 from bench_offline import read_workload
+from bench_report import PERCENTILES, plot, print_table, print_workload_comparison
+from launch_server import LaunchedServer, ServerFailedError
 
-PERCENTILES = (50, 95, 99)
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # jaxserve's, on /metrics
+_COUNTER_LINE = re.compile(r"^jaxserve:(\w+?)(?:_total)?(?:\{.*\})?\s+(\S+)$")
 
 
 @dataclasses.dataclass
@@ -94,7 +114,7 @@ async def run(rows: list[dict], url: str, model: str, args) -> tuple[list[Result
     the wall time."""
     limit = asyncio.Semaphore(args.concurrency or len(rows))
     gaps = random.Random(args.seed)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args.api_key)
     bar = tqdm(total=len(rows), desc="requests", unit="req")
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)
@@ -124,11 +144,11 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"mean": statistics.fmean(values), **{f"p{p}": cuts[p - 1] for p in PERCENTILES}}
 
 
-def summarize(results: list[Result], elapsed: float, args, model: str) -> dict:
+def summarize(results: list[Result], elapsed: float, args, model: str, base_url: str) -> dict:
     done = [r for r in results if r.error is None]
     output_tokens = sum(r.output_tokens for r in done)
     return {
-        "base_url": args.base_url, "model": model, "workload": str(args.workload),
+        "base_url": base_url, "model": model, "workload": str(args.workload),
         "concurrency": args.concurrency, "request_rate": args.request_rate,
         "requests": len(results), "failed": len(results) - len(done),
         "errors": sorted({r.error for r in results if r.error})[:5],
@@ -143,100 +163,172 @@ def summarize(results: list[Result], elapsed: float, args, model: str) -> dict:
     }
 
 
-def print_table(summary: dict) -> None:
-    mode = (f"concurrency {summary['concurrency']}" if not summary["request_rate"]
-            else f"{summary['request_rate']} req/s Poisson" + (f", concurrency <= {summary['concurrency']}"
-                                                              if summary["concurrency"] else ""))
-    print(f"\n{summary['model']} at {summary['base_url']}, {mode}: {summary['requests']} requests "
-          f"({summary['failed']} failed) in {summary['duration_s']:.1f} s")
-    print(f"  {summary['requests_per_s']:.2f} requests/s, {summary['output_tokens_per_s']:.1f} output tokens/s "
-          f"({summary['output_tokens']} of {summary['expected_output_tokens']} expected tokens)")
-    print(f"  {'ms':<24}{'mean':>10}" + "".join(f"{'p' + str(p):>10}" for p in PERCENTILES))
-    for key, name in (("ttft_s", "time to first token"), ("tpot_s", "time per output token"),
-                      ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency")):
-        row = summary[key]
-        print(f"  {name:<24}" + "".join(f"{row[k] * 1000:>10.1f}" if row[k] is not None else f"{'-':>10}"
-                                        for k in ("mean", *(f"p{p}" for p in PERCENTILES))))
-    for error in summary["errors"]:
-        print(f"  error: {error}")
-
-
-def plot(results: list[Result], summary: dict, path: Path) -> bool:
-    """Histograms of TTFT, TPOT, ITL and e2e (ms); False if matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    done = [r for r in results if r.error is None]
-    series = {"time to first token": [r.ttft for r in done if r.ttft is not None],
-              "time per output token": [r.tpot for r in done if r.tpot is not None],
-              "inter-token latency": [gap for r in done for gap in r.itl],
-              "end-to-end latency": [r.e2e for r in done]}
-    figure, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for axis, (name, values) in zip(axes, series.items()):
-        axis.hist([v * 1000 for v in values], bins=40)
-        axis.set_title(name)
-        axis.set_xlabel("ms")
-    axes[0].set_ylabel("count")
-    figure.suptitle(f"{summary['model']}: {summary['requests_per_s']:.2f} req/s, "
-                    f"{summary['output_tokens_per_s']:.1f} output tok/s")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return True
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def served_model(base_url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with aiohttp.ClientSession(headers=headers) as session:
+    async with aiohttp.ClientSession(headers=auth_headers(api_key)) as session:
         async with session.get(f"{base_url}/v1/models") as reply:
             reply.raise_for_status()
             return (await reply.json())["data"][0]["id"]
 
 
+async def server_counters(base_url: str, headers: dict) -> dict[str, float]:
+    """jaxserve's cumulative engine counters from /metrics; {} from a server without them."""
+    try:
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.get(f"{base_url}/metrics") as reply:
+                text = await reply.text() if reply.status == 200 else ""
+    except aiohttp.ClientError:
+        return {}
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _COUNTER_LINE.match(line)
+        if match and match.group(1) in COUNTERS:
+            counters[match.group(1)] = counters.get(match.group(1), 0.0) + float(match.group(2))
+    return counters
+
+
+async def bench_workload(base_url: str, model: str, rows: list[dict], args) -> tuple[dict, list[Result]]:
+    """`--warmup` untimed requests one at a time (the first rows, one output token each), then the
+    timed replay; the server's counters are read around the timed part only."""
+    url, headers = f"{base_url}/v1/completions", auth_headers(args.api_key)
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for row in rows[:args.warmup]:
+            warm = await send(session, url, {**request_body(row, model, args.send_text), "max_tokens": 1}, row)
+            if warm.error:
+                print(f"  warm-up request failed: {warm.error}")
+    before = await server_counters(base_url, headers)
+    results, elapsed = await run(rows, url, model, args)
+    after = await server_counters(base_url, headers)
+    summary = summarize(results, elapsed, args, model, base_url)
+    summary["warmup_requests"] = min(args.warmup, len(rows))
+    summary["server_counters"] = {name: after[name] - before.get(name, 0.0) for name in after}
+    return summary, results
+
+
+def bench_server(base_url: str, rows: list[dict], args, plot_path: Path) -> dict:
+    """The chosen scenario against one running server; prints its table, returns its summary."""
+    model = args.model or asyncio.run(served_model(base_url, args.api_key))
+    if args.scenario == "long-prompt":
+        summary = asyncio.run(bench_long_prompt.run(base_url, model, rows, args, auth_headers(args.api_key)))
+        bench_long_prompt.print_table(summary)
+        return summary
+    summary, results = asyncio.run(bench_workload(base_url, model, rows, args))
+    print_table(summary)
+    print(f"  wrote {plot_path}" if plot(results, summary, plot_path) else "  (no plot: matplotlib is not installed)")
+    return {**summary, "per_request": [dataclasses.asdict(r) for r in results]}
+
+
+def launch_and_bench(index: int, flags: str, rows: list[dict], args) -> dict:
+    """Starts a server with `flags`, benchmarks it once ready, stops it."""
+    log_path = args.result_json.with_name(f"{args.result_json.stem}-server{index}.log")
+    print(f"\n[{index}] python -m jaxserve.serve --port 0 {flags}  (log: {log_path})", flush=True)
+    try:
+        with LaunchedServer(flags, log_path, args.startup_timeout) as server:
+            print(f"[{index}] ready at {server.url} after {server.startup_s:.1f} s (not timed)", flush=True)
+            summary = bench_server(server.url, rows, args, args.plot.with_name(f"{args.plot.stem}-{index}.png"))
+    except ServerFailedError as error:
+        print(f"[{index}] {error}")
+        return {"configuration": flags, "failed": 1, "startup_error": str(error)}
+    print(f"[{index}] server stopped, exit status {server.returncode}" +
+          (f"; its log: {log_path}" if summary["failed"] or server.returncode else ""))
+    return {"configuration": flags, "startup_s": server.startup_s, "server_exit_status": server.returncode,
+            **summary}
+
+
+def print_comparison(summaries: list[dict], args) -> None:
+    ran = [(f"[{i}] {s['configuration'] or '(defaults)'}", s) for i, s in enumerate(summaries)
+           if "startup_error" not in s]
+    if ran:
+        compare = bench_long_prompt.print_comparison if args.scenario == "long-prompt" else print_workload_comparison
+        compare([s for _, s in ran], [label for label, _ in ran])
+    for index, summary in enumerate(summaries):
+        if "startup_error" in summary:
+            print(f"  [{index}] {summary['configuration']}: did not start (see above)")
+
+
+def _launch_flags(argv: list[str]) -> list[str]:
+    """`--launch --some-flag` as `--launch=--some-flag`: argparse takes a lone value that starts
+    with '--' for an option of its own."""
+    out, argv = [], list(argv)
+    while argv:
+        arg = argv.pop(0)
+        out.append(f"--launch={argv.pop(0)}" if arg == "--launch" and argv else arg)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (unless --launch)")
+    parser.add_argument("--launch", action="append", metavar="FLAGS", default=None,
+                        help="start `python -m jaxserve.serve --port 0 FLAGS` and benchmark it instead of "
+                             "--base-url; repeat to compare configurations (one server at a time)")
+    parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds a launched server may "
+                                                                             "take to become ready")
+    parser.add_argument("--scenario", choices=("workload", "long-prompt"), default="workload",
+                        help="workload: replay the workload; long-prompt: see bench_long_prompt.py")
     parser.add_argument("--workload", type=Path, required=True, help="JSON Lines: prompt_text, "
                                                                      "prompt_token_ids, max_tokens")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="requests in flight at once (default 1; with --request-rate: no limit)")
     parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
     parser.add_argument("--num-requests", type=int, default=None, help="only the first N lines")
+    parser.add_argument("--warmup", type=int, default=0, help="untimed requests (the first N lines, one "
+                                                              "output token each) before timing")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--send-text", action="store_true", help="send prompt_text instead of token ids")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.add_argument("--timeout", type=float, default=600, help="seconds without a byte before giving up")
     parser.add_argument("--result-json", type=Path, default=None,
-                        help="default: bench-serving-<concurrency or rate>.json in the current directory")
+                        help="default: bench-serving-<concurrency, rate or scenario>.json here")
     parser.add_argument("--plot", type=Path, default=None, help="default: the JSON path with .png")
-    args = parser.parse_args(argv)
+    long = parser.add_argument_group("--scenario long-prompt")
+    long.add_argument("--streams", type=int, default=8, help="streams decoding when the long prompt arrives")
+    long.add_argument("--short-prompt-len", type=int, default=32, help="tokens of each stream's prompt (the "
+                                                                        "end of a workload line's)")
+    long.add_argument("--stream-max-tokens", type=int, default=None,
+                      help="max_tokens of each stream; default 1024 or what max_model_len leaves")
+    long.add_argument("--long-prompt-len", type=int, default=2000, help="tokens of the long prompt")
+    long.add_argument("--long-max-tokens", type=int, default=16, help="max_tokens of the long prompt")
+    long.add_argument("--baseline-s", type=float, default=2.0, help="seconds of decoding before it arrives")
+    long.add_argument("--tail-s", type=float, default=2.0, help="seconds of decoding after it finishes")
+    args = parser.parse_args(_launch_flags(sys.argv[1:] if argv is None else argv))
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 1
     if (args.concurrency is not None and args.concurrency < 1) or (args.request_rate or 1) <= 0:
         parser.error("--concurrency must be >= 1 and --request-rate > 0")
-    tag = f"c{args.concurrency}" if not args.request_rate else f"r{args.request_rate:g}"
+    if args.streams < 1 or args.short_prompt_len < 1 or args.long_prompt_len < 1 or args.warmup < 0:
+        parser.error("--streams, --short-prompt-len and --long-prompt-len must be >= 1, --warmup >= 0")
+    tag = (args.scenario if args.scenario != "workload" else
+           f"c{args.concurrency}" if not args.request_rate else f"r{args.request_rate:g}")
+    args.base_url = args.base_url.rstrip("/")
     args.result_json = args.result_json or Path(f"bench-serving-{tag}.json")
     args.plot = args.plot or args.result_json.with_suffix(".png")
     return args
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    sys.exit(128 + signum)  # unwinds, so a launched server is stopped (`timeout` sends SIGTERM)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.base_url = args.base_url.rstrip("/")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    started = time.perf_counter()
     rows = read_workload(str(args.workload), args.num_requests)
-    model = args.model or asyncio.run(served_model(args.base_url, args.api_key))
-    results, elapsed = asyncio.run(run(rows, f"{args.base_url}/v1/completions", model, args))
-    summary = summarize(results, elapsed, args, model)
-    print_table(summary)
-    args.result_json.write_text(json.dumps({**summary, "per_request": [dataclasses.asdict(r) for r in results]},
-                                           indent=1))
-    print(f"  wrote {args.result_json}" + (f" and {args.plot}" if plot(results, summary, args.plot) else
-                                           " (no plot: matplotlib is not installed)"))
-    return 1 if summary["failed"] else 0
+    if args.launch:
+        summaries = [launch_and_bench(index, flags, rows, args) for index, flags in enumerate(args.launch)]
+        print_comparison(summaries, args)
+        result = {"scenario": args.scenario, "configurations": summaries}
+    else:
+        summaries = [bench_server(args.base_url, rows, args, args.plot)]
+        result = summaries[0]
+    args.result_json.write_text(json.dumps(result, indent=1))
+    print(f"  wrote {args.result_json} ({time.perf_counter() - started:.0f} s in all, start-ups included)")
+    return 1 if any(summary["failed"] for summary in summaries) else 0
 
 
 if __name__ == "__main__":
