@@ -7,6 +7,7 @@ fields of `EngineConfig` one to one.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 
@@ -137,6 +138,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
+    mesh: str = "1x1"                     # DxM devices: data x model (tensor) parallel
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
@@ -161,5 +163,7 @@ class EngineConfig:
                  or self.max_num_batched_tokens >= self.max_model_len,
                  f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
                  f"{self.max_model_len} when chunked prefill is off (a prompt is prefilled in one step)")
+        _require(re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.mesh) is not None,
+                 f"mesh={self.mesh!r} is not DxM with D, M >= 1 (data x model), e.g. 1x8")
         _require(self.attention_backend in ("xla",),
                  f"attention_backend={self.attention_backend!r} is not one of ('xla',)")

@@ -13,10 +13,14 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import pathlib
 import signal
 import sys
 import time
+import tomllib
 import typing
+
+import jax
 
 from jaxserve import compile_cache
 from jaxserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
@@ -42,6 +46,7 @@ HELP = {
     "enable_chunked_prefill": "prefill long prompts in chunks over several steps, beside running decodes",
     "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
     "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
+    "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices",
     "served_model_name": "the model name clients send; none: the model file's name",
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
@@ -77,8 +82,13 @@ def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     parser = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", type=pathlib.Path, default=None,
+                        help="a TOML file of the fields below (e.g. configs/*.toml); flags override it")
     _add_fields(parser, EngineConfig)
     _add_fields(parser, ServerConfig)
+    config_file = parser.parse_known_args(argv)[0].config
+    if config_file is not None:
+        parser.set_defaults(**_read_config_file(parser, config_file))
     args = vars(parser.parse_args(argv))
     try:
         engine = EngineConfig(**{f.name: args[f.name] for f in dataclasses.fields(EngineConfig)})
@@ -87,6 +97,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         parser.error(str(error))
     name = server.served_model_name or model_name(engine.model)
     return engine, dataclasses.replace(server, served_model_name=name)
+
+
+def _read_config_file(parser: argparse.ArgumentParser, path: pathlib.Path) -> dict:
+    """Field values from a TOML file; an unknown key is an error that lists the known ones."""
+    try:
+        values = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        parser.error(f"--config {path}: {error}")
+    known = {f.name for c in (EngineConfig, ServerConfig) for f in dataclasses.fields(c)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        parser.error(f"--config {path}: unknown keys {unknown}; known: {sorted(known)}")
+    return values
+
+
+def _prepare_devices(mesh: str) -> None:
+    """A mesh larger than a CPU host's one device gets that many host devices (before JAX starts)."""
+    from jaxserve.sharding import ensure_devices, parse_mesh
+
+    data, model = parse_mesh(mesh)
+    if ensure_devices(data * model) and jax.default_backend() == "cpu":
+        log.info("mesh %s on the CPU: running on %d host devices (jax_num_cpu_devices)", mesh, data * model)
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
@@ -133,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if server_config.log_level != "debug":
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    _prepare_devices(engine_config.mesh)
     compile_cache.enable(server_config.compile_cache_dir)
     return asyncio.run(serve(engine_config, server_config))
 

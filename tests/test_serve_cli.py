@@ -77,3 +77,44 @@ def _health_until_ready(url: str, server: subprocess.Popen, timeout: float = 180
             pass
         time.sleep(0.05)
     return statuses
+
+
+def test_config_file_sets_defaults_and_flags_override(tmp_path):
+    config = tmp_path / "engine.toml"
+    config.write_text('max_num_seqs = 3\nmesh = "1x2"\nport = 9100\n')
+    engine, server = parse_args(["--config", str(config), "--port", "9200"])
+    assert (engine.max_num_seqs, engine.mesh, server.port) == (3, "1x2", 9200)
+    config.write_text("max_num_sequences = 3\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
+
+
+def test_shipped_configs_parse():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).parents[1] / "configs").glob("*.toml")):
+        engine, _ = parse_args(["--config", str(path)])
+        assert engine.mesh, path
+
+
+@pytest.mark.slow
+def test_serve_on_a_mesh_of_host_devices_answers(tiny_models, tmp_path):
+    directory, _ = tiny_models("llama")
+    port = free_port()
+    command = [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *_flags(TINY_ENGINE),
+               "--mesh", "1x4", "--port", str(port),
+               "--compile-cache-dir", jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")]
+    stderr = open(tmp_path / "stderr.txt", "w")
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        _health_until_ready(f"http://127.0.0.1:{port}", server, timeout=300)
+        reply = requests.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        assert "running on 4 host devices" in (tmp_path / "stderr.txt").read_text()
+    finally:
+        if server.poll() is None:
+            server.kill()
+        stderr.close()

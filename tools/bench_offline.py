@@ -2,6 +2,7 @@
 Hugging Face transformers one request at a time in the same run) and prints a table.
 
     python tools/bench_offline.py --workload ../shared/workloads/anchor-64.jsonl [--compare-hf] [--limit N]
+    python tools/bench_offline.py --workload ... --mesh 1x1 --mesh 1x2     # meshes compared, one run
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ def read_workload(path: str, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def bench_jaxserve(rows, args) -> dict:
+def bench_jaxserve(rows, args, mesh: str) -> dict:
     from jaxserve import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype)
+              max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh)
     startup = time.perf_counter() - started
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in rows]
     prompts = [r["prompt_token_ids"] for r in rows]
@@ -30,7 +31,7 @@ def bench_jaxserve(rows, args) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - started
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"system": "jaxserve", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
+    return {"system": f"jaxserve mesh {mesh}", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
             "prompt_tokens": sum(len(p) for p in prompts)}
 
 
@@ -58,14 +59,15 @@ def bench_hf(rows, args) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'system':<14}{'requests':>9}{'prompt tok':>11}{'output tok':>11}{'time s':>9}{'out tok/s':>11}"
+    print(f"\n{'system':<20}{'requests':>9}{'prompt tok':>11}{'output tok':>11}{'time s':>9}{'out tok/s':>11}"
           f"{'startup s':>10}")
     for r in results:
         r["output_tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
-        print(f"{r['system']:<14}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
+        print(f"{r['system']:<20}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
               f"{r['elapsed_s']:>9.1f}{r['output_tokens_per_s']:>11.1f}{r['startup_s']:>10.1f}")
-    if len(results) == 2:
-        print(f"\njaxserve / transformers: {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+    for r in results[1:]:
+        print(f"{results[0]['system']} / {r['system']}: "
+              f"{results[0]['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x")
 
 
 def main() -> None:
@@ -80,9 +82,15 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--mesh", action="append", default=None,
+                        help="DxM; repeat to compare meshes in one run (default 1x1)")
     args = parser.parse_args()
+    meshes = args.mesh or ["1x1"]
+    from jaxserve.sharding import ensure_devices, parse_mesh
+
+    ensure_devices(max(d * m for d, m in map(parse_mesh, meshes)))   # before JAX starts
     rows = read_workload(args.workload, args.limit)
-    results = [bench_jaxserve(rows, args)]
+    results = [bench_jaxserve(rows, args, mesh) for mesh in meshes]
     if args.compare_hf:
         results.append(bench_hf(rows, args))
     for r in results:

@@ -13,13 +13,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.checkpoint import orbax
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.weight_maps import map_hf_weights
 from jaxserve.config import ModelConfig
 from jaxserve.models.llama import abstract_model
+from jaxserve.sharding import pad_heads, sharding_for
 from jaxserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class LoadedModel:
     tokenizer: Any          # a transformers fast tokenizer
     path: Path
     dtype: Any
+    mesh: Mesh | None = None  # where params live, split by jaxserve.sharding's rules; None: one device
 
 
 def resolve_dtype(name: str):
@@ -73,8 +77,9 @@ def with_values(state: nnx.State, values: dict[tuple[str, ...], Any]) -> nnx.Sta
                                 for path, var in nnx.to_flat_state(state)])
 
 
-def load_model(model: str | None, dtype_name: str = "auto") -> LoadedModel:
-    """Loads config, weights (onto the default device) and tokenizer."""
+def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
+    """Loads config, weights and tokenizer. Weights go to the default device, or with a mesh shard
+    by shard onto it (heads rearranged first if they do not split over its `model` axis)."""
     path = resolve_model_path(model)
     dtype = resolve_dtype(dtype_name)
     if orbax.is_converted(path):
@@ -83,14 +88,38 @@ def load_model(model: str | None, dtype_name: str = "auto") -> LoadedModel:
         hf_config = read_hf_config(path)
         config = ModelConfig.from_hf(hf_config)
         graphdef, abstract = abstract_model(config, dtype)
-        values = orbax.restore_params(path, expected_params(abstract))
+        expected = expected_params(abstract)
+        if mesh is not None and not needs_rearranging(config, mesh):
+            expected = {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_for(mesh, "/".join(p), s.shape))
+                        for p, s in expected.items()}   # restored straight into the shards
+        values = orbax.restore_params(path, expected)
     else:
         hf_config, tensors = read_checkpoint(path)
         config = ModelConfig.from_hf(hf_config)
         graphdef, abstract = abstract_model(config, dtype)
         shapes = {p: s.shape for p, s in expected_params(abstract).items()}
-        values = {p: jnp.asarray(v, dtype) for p, v in map_hf_weights(tensors, shapes, dtype).items()}
+        values = map_hf_weights(tensors, shapes, dtype)   # host arrays
+    if mesh is not None:
+        config, graphdef, abstract, values = _onto_mesh(config, dtype, values, mesh)
+    else:
+        values = {p: jnp.asarray(v, dtype) for p, v in values.items()}
     params = with_values(abstract, values)
     log.info("loaded %s: %d layers, %.1fM parameters, %s", path, config.num_layers,
              sum(x.size for x in jax.tree.leaves(params)) / 1e6, jnp.dtype(dtype).name)
-    return LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path), path, dtype)
+    return LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path), path, dtype, mesh)
+
+
+def needs_rearranging(config: ModelConfig, mesh: Mesh) -> bool:
+    return config.num_kv_heads % mesh.shape["model"] != 0
+
+
+def _onto_mesh(config: ModelConfig, dtype, values: dict, mesh: Mesh):
+    """Rearranges heads for the mesh and places every weight shard by shard."""
+    if needs_rearranging(config, mesh):
+        host = {p: np.asarray(v) for p, v in values.items()}
+        config, values = pad_heads(config, host, mesh.shape["model"])
+    graphdef, abstract = abstract_model(config, dtype)
+    placed = {p: v if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding)  # orbax put it there
+              else jax.device_put(np.asarray(v, dtype), sharding_for(mesh, "/".join(p), v.shape))
+              for p, v in values.items()}
+    return config, graphdef, abstract, placed

@@ -26,6 +26,7 @@ from jaxserve.engine.sampler import row_seed
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.host_memory import keep_freed_memory
+from jaxserve.sharding import mesh_from_config
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class LLMEngine:
                  progress: Callable[[int, int], None] | None = None):
         self.config = config
         keep_freed_memory()  # XLA's step buffers stay mapped between steps (see host_memory)
-        self.model = model or load_model(config.model, config.dtype)
+        self.model = model or load_model(config.model, config.dtype, mesh_from_config(config.mesh))
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()
         pages = kv_pool.num_pages(config, self.model.config, self.model.dtype, self.max_model_len)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.layers.attention import KVPages
+from jaxserve.sharding import KV_POOL_SPEC
 
 
 def bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:
@@ -33,6 +36,11 @@ def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: in
     return pages
 
 
-def allocate(model: ModelConfig, pages: int, page_size: int, dtype) -> KVPages:
+def allocate(model: ModelConfig, pages: int, page_size: int, dtype, mesh: Mesh | None = None) -> KVPages:
+    """Zeros, created in place: on the default device, or split on KV heads over the mesh."""
     shape = (model.num_layers, model.num_kv_heads, pages, page_size, model.head_dim)
-    return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    if mesh is None:
+        return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    sharding = NamedSharding(mesh, KV_POOL_SPEC)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return KVPages(k=zeros(), v=zeros())

@@ -21,7 +21,7 @@ from jaxserve.engine.batch import BatchLayout, Bucket
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
-from jaxserve.models.layers.attention import XlaPagedAttention
+from jaxserve.models.layers.attention import ModelParallelAttention, XlaPagedAttention
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,10 @@ class Runner:
         self.max_copies = max_num_seqs   # page copies per copy call: at most one per sequence a step
         self.decode_sizes = _sizes(max_num_seqs)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
-        self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype)
+        self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype, model.mesh)
         attention = XlaPagedAttention(pages_per_chunk)
+        if model.mesh is not None:
+            attention = ModelParallelAttention(attention, model.mesh)
         self._step = compile_step(model.graphdef, attention)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
@@ -112,4 +114,4 @@ class Runner:
 
     def reset_pool(self) -> None:
         k = self.kv_pages.k
-        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2], k.shape[3], self.model.dtype)
+        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2], k.shape[3], self.model.dtype, self.model.mesh)

@@ -23,6 +23,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 MASKED = -1e30  # a finite "minus infinity": exp() of it is 0, and 0 * it is not NaN
 
@@ -151,3 +153,17 @@ class XlaPagedAttention:
                 out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk)
                 outs.append(out.reshape(-1, *q.shape[1:]))
         return jnp.concatenate(outs), kv_pages
+
+
+class ModelParallelAttention:
+    """Runs a backend under `shard_map` over the mesh's `model` axis: each device writes and reads
+    its own KV heads' slice of the pool, for its own query heads. Nothing crosses devices."""
+
+    def __init__(self, backend: AttentionBackend, mesh: Mesh):
+        heads = P(None, "model", None)
+        pool = KVPages(k=P(None, "model"), v=P(None, "model"))
+        self._call = jax.shard_map(backend, mesh=mesh, in_specs=(heads, heads, heads, pool, P(), P()),
+                                   out_specs=(heads, pool), check_vma=False)
+
+    def __call__(self, q, k, v, kv_pages, layer, meta):
+        return self._call(q, k, v, kv_pages, layer, meta)

@@ -1,0 +1,164 @@
+"""The device mesh and where every array lives on it: one table from parameter path to PartitionSpec.
+
+The mesh has axes `('data', 'model')`. `model` is tensor parallelism: attention heads and KV heads,
+the MLP's intermediate dimension and the vocabulary of the embedding and LM head are split over
+it; XLA inserts the collectives. Attention runs under `shard_map` over `model`, each device on its
+own heads and its own slice of the KV pool (`[layers, kv_heads, pages, page_size, head_dim]`, split
+on the KV-head axis).
+
+Head counts that do not divide by the `model` size are made to (`pad_heads`): KV heads fewer than
+the axis are replicated when the query heads allow it, otherwise heads are padded with zero
+weights, which adds nothing to the output (a zero query head's output meets zero `o_proj` rows).
+Either way the result is exact; the cost is the extra heads' weights and KV pool memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+AXES = ("data", "model")
+
+# Parameter path (slash-joined) -> spec. Layer weights carry a leading layer axis. Linear weights
+# are [in, out]: column-parallel ones split `out`, row-parallel ones split `in`.
+PARTITION_RULES: tuple[tuple[str, P], ...] = (
+    (r"embed", P("model", None)),                                     # vocab-split
+    (r"lm_head", P(None, "model")),
+    (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)", P(None, None, "model")),
+    (r"layers/(q_bias|k_bias|v_bias|gate_bias|up_bias)", P(None, "model")),
+    (r"layers/(o_proj|down_proj)", P(None, "model", None)),
+    (r".*", P()),                                                     # norms, output biases
+)
+KV_POOL_SPEC = P(None, "model", None, None, None)                    # split on KV heads
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'2x4' -> (data, model) = (2, 4)."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise ValueError(f"mesh={text!r} is not DxM with D, M >= 1 (data x model), e.g. 1x8 or 2x4")
+    return int(match[1]), int(match[2])
+
+
+def ensure_devices(num_devices: int) -> bool:
+    """On a CPU-only host, asks JAX for `num_devices` host devices. Must run before JAX's backend
+    starts. True if it set the count."""
+    import os
+
+    if os.environ.get("JAX_PLATFORMS", "cpu") not in ("", "cpu") or num_devices <= 1:
+        return False
+    jax.config.update("jax_num_cpu_devices", max(num_devices, 1))
+    return True
+
+
+def make_mesh(shape: tuple[int, int]) -> Mesh:
+    data, model = shape
+    devices = jax.devices()
+    if data * model > len(devices):
+        raise ValueError(f"mesh {data}x{model} needs {data * model} devices; {len(devices)} are available "
+                         f"({devices[0].platform})")
+    if data != 1:
+        raise ValueError(f"mesh {data}x{model}: the data axis must be 1 for now (data-parallel slices of "
+                         "the KV pool are not implemented); use 1x{data * model}")
+    return Mesh(np.array(devices[:data * model]).reshape(data, model), AXES)
+
+
+def mesh_from_config(text: str) -> Mesh | None:
+    """The engine's mesh for `EngineConfig.mesh`; None for 1x1 (one device, no sharding)."""
+    shape = parse_mesh(text)
+    return None if shape == (1, 1) else make_mesh(shape)
+
+
+def spec_for(path: str) -> P:
+    return next(spec for pattern, spec in PARTITION_RULES if re.fullmatch(pattern, path))
+
+
+def sharding_for(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding:
+    """The rule's sharding, with any axis that does not divide by its mesh axis replicated."""
+    spec = list(spec_for(path)) + [None] * (len(shape) - len(spec_for(path)))
+    for i, axis in enumerate(spec):
+        if axis is not None and shape[i] % mesh.shape[axis]:
+            log.warning("%s: dimension %d (%d) does not divide by mesh axis %r (%d); replicated",
+                        path, i, shape[i], axis, mesh.shape[axis])
+            spec[i] = None
+    return NamedSharding(mesh, P(*spec))
+
+
+# ---- head counts ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """How heads are rearranged for `model`-way splitting: KV head `k` becomes KV heads
+    `k * replicas ... k * replicas + replicas - 1`, each serving `group` query heads; then `pad_kv`
+    zero KV heads (each with `group` zero query heads) are appended."""
+
+    num_kv_heads: int       # original
+    group: int              # query heads per KV head, after replication
+    replicas: int
+    pad_kv: int
+
+    @property
+    def new_kv_heads(self) -> int:
+        return self.num_kv_heads * self.replicas + self.pad_kv
+
+    @property
+    def new_heads(self) -> int:
+        return self.new_kv_heads * self.group
+
+
+def head_layout(cfg: ModelConfig, model_size: int) -> HeadLayout:
+    kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    if kv % model_size == 0:
+        return HeadLayout(kv, group, 1, 0)
+    if model_size % kv == 0 and group % (model_size // kv) == 0:
+        replicas = model_size // kv
+        return HeadLayout(kv, group // replicas, replicas, 0)
+    return HeadLayout(kv, group, 1, math.ceil(kv / model_size) * model_size - kv)
+
+
+def pad_heads(cfg: ModelConfig, params: dict[tuple[str, ...], np.ndarray],
+              model_size: int) -> tuple[ModelConfig, dict[tuple[str, ...], np.ndarray]]:
+    """The config and host weights rearranged so that heads and KV heads divide by `model_size`."""
+    layout = head_layout(cfg, model_size)
+    if layout.replicas == 1 and layout.pad_kv == 0:
+        return cfg, params
+    log.info("heads %d/%d (query/KV) do not split %d ways: running %d/%d (%s); KV pool and attention "
+             "weights grow %.2fx", cfg.num_heads, cfg.num_kv_heads, model_size, layout.new_heads,
+             layout.new_kv_heads, "KV heads replicated" if layout.replicas > 1 else "zero heads added",
+             layout.new_kv_heads / cfg.num_kv_heads)
+    hd, out = cfg.head_dim, dict(params)
+    for name in ("q_proj", "q_bias"):
+        if ("layers", name) in params:
+            out[("layers", name)] = _query_heads(params[("layers", name)], layout, hd)
+    for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
+        if ("layers", name) in params:
+            out[("layers", name)] = _kv_heads(params[("layers", name)], layout, hd)
+    o_proj = params[("layers", "o_proj")]                        # [L, heads * hd, d]: heads on axis 1
+    out[("layers", "o_proj")] = np.swapaxes(_query_heads(np.swapaxes(o_proj, 1, 2), layout, hd), 1, 2)
+    return dataclasses.replace(cfg, num_heads=layout.new_heads, num_kv_heads=layout.new_kv_heads), out
+
+
+def _query_heads(w: np.ndarray, layout: HeadLayout, hd: int) -> np.ndarray:
+    """[..., kv * group_orig * hd] -> [..., new_heads * hd], heads regrouped by their KV head."""
+    lead = w.shape[:-1]
+    w = w.reshape(*lead, layout.num_kv_heads * layout.replicas, layout.group, hd)
+    pad = [(0, 0)] * len(lead) + [(0, layout.pad_kv), (0, 0), (0, 0)]
+    return np.pad(w, pad).reshape(*lead, layout.new_heads * hd)
+
+
+def _kv_heads(w: np.ndarray, layout: HeadLayout, hd: int) -> np.ndarray:
+    lead = w.shape[:-1]
+    w = np.repeat(w.reshape(*lead, layout.num_kv_heads, hd), layout.replicas, axis=-2)
+    pad = [(0, 0)] * len(lead) + [(0, layout.pad_kv), (0, 0)]
+    return np.pad(w, pad).reshape(*lead, layout.new_kv_heads * hd)

@@ -1,0 +1,65 @@
+"""Run by tests/test_sharding.py in a fresh process with 8 host devices: for each mesh, the paged
+logits of one prompt (prefill, then greedy decode steps) and the engine's greedy and seeded tokens.
+
+    python tests/mesh_worker.py MODEL_DIR_OR_- OUT.npz 1x1,1x2,1x8 [--engine]
+"""
+
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+from jaxserve.checkpoint.loader import load_model  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.engine.engine import LLMEngine  # noqa: E402
+from jaxserve.engine.runner import Runner  # noqa: E402
+from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.sharding import mesh_from_config  # noqa: E402
+
+PAGE_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 37, 16
+
+
+def paged_logits(model) -> np.ndarray:
+    """[PROMPT's last position + DECODE_STEPS, vocab]: greedy decoding through scattered pages."""
+    runner = Runner(model, num_pages=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
+                    max_num_batched_tokens=64, prefill_segment=16, kv_chunk_tokens=8)
+    table = tuple(np.random.default_rng(0).permutation(np.arange(1, 64))[:20].tolist())
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, PROMPT_LEN).tolist()
+    rows, start = [], 0
+    for _ in range(DECODE_STEPS + 1):
+        seq = ScheduledSequence("s", tuple(tokens[start:]), start, table, True, SamplingParams(temperature=0), 0, 0)
+        rows.append(runner.logits(SchedulerOutput((seq,)))["s"])
+        start = len(tokens)
+        tokens.append(int(np.argmax(rows[-1])))
+    return np.stack(rows)
+
+
+def engine_tokens(model, mesh: str) -> np.ndarray:
+    engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=96, max_num_seqs=4, max_num_batched_tokens=64,
+                                    max_model_len=256), model=model)
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Once upon a time"]
+    ids = [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=32, ignore_eos=True))
+           for p in prompts for t in (0.0, 0.8)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return np.array([done[i] for i in ids])
+
+
+def main(model_dir: str, out: str, meshes: str, with_engine: bool) -> None:
+    results = {}
+    for mesh in meshes.split(","):
+        model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh))
+        results[f"logits_{mesh}"] = paged_logits(model)
+        results[f"heads_{mesh}"] = np.array([model.config.num_heads, model.config.num_kv_heads])
+        if with_engine:
+            results[f"tokens_{mesh}"] = engine_tokens(model, mesh)
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], "--engine" in sys.argv)

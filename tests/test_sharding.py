@@ -1,0 +1,108 @@
+"""Meshes: the partition rule table, head rearranging, and the same logits and tokens on every mesh.
+
+Multi-device runs happen in a fresh process with 8 host devices (tests/mesh_worker.py): the device
+count is fixed when JAX starts, and the rest of the suite runs on one device.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.sharding import PARTITION_RULES, head_layout, pad_heads, parse_mesh, spec_for
+
+from conftest import write_tiny_model
+
+WORKER = Path(__file__).with_name("mesh_worker.py")
+MESHES = "1x1,1x2,1x4,1x8"
+
+
+def run_worker(model: str, out: Path, meshes: str, *flags: str) -> dict[str, np.ndarray]:
+    subprocess.run([sys.executable, str(WORKER), model, str(out), meshes, *flags], check=True, timeout=900)
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("text, shape", [("1x1", (1, 1)), ("2x4", (2, 4)), (" 1x8 ", (1, 8))])
+def test_parse_mesh(text, shape):
+    assert parse_mesh(text) == shape
+
+
+@pytest.mark.parametrize("text", ["8", "0x2", "2x", "axb"])
+def test_bad_mesh_is_named(text):
+    with pytest.raises(ValueError, match=f"mesh={text!r} is not DxM"):
+        parse_mesh(text)
+    with pytest.raises(ValueError, match="is not DxM"):
+        EngineConfig(mesh=text)
+
+
+def test_rule_table_covers_every_parameter():
+    assert spec_for("layers/q_proj") == spec_for("layers/up_proj") != spec_for("layers/o_proj")
+    assert spec_for("layers/input_norm") == spec_for("final_norm") == PARTITION_RULES[-1][1]
+    assert spec_for("embed")[0] == "model" and spec_for("lm_head")[1] == "model"
+
+
+def _config(heads, kv_heads, head_dim=4):
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=heads * head_dim,
+                       intermediate_size=8, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("heads, kv_heads, model, expected", [
+    (8, 8, 4, (8, 8)),      # divides: unchanged
+    (8, 2, 8, (8, 8)),      # KV heads replicated 4x, one query head each
+    (32, 8, 8, (32, 8)),
+    (9, 3, 4, (12, 4)),     # one zero KV head with its 3 zero query heads
+    (9, 3, 2, (12, 4)),
+    (9, 3, 8, (24, 8)),
+])
+def test_head_layout(heads, kv_heads, model, expected):
+    layout = head_layout(_config(heads, kv_heads), model)
+    assert (layout.new_heads, layout.new_kv_heads) == expected
+    assert layout.new_kv_heads % model == 0
+
+
+def test_padded_heads_give_the_same_attention_output():
+    """Plain GQA attention over random weights, before and after rearranging 9/3 heads for 4 ways."""
+    cfg, rng = _config(9, 3), np.random.default_rng(0)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    weights = {("layers", "q_proj"): rng.normal(size=(1, d, 9 * hd)), ("layers", "k_proj"): rng.normal(size=(1, d, 3 * hd)),
+               ("layers", "v_proj"): rng.normal(size=(1, d, 3 * hd)), ("layers", "o_proj"): rng.normal(size=(1, 9 * hd, d))}
+    x = rng.normal(size=(5, d))
+
+    def attention(cfg, w):
+        q = (x @ w[("layers", "q_proj")][0]).reshape(5, cfg.num_heads, hd)
+        k = (x @ w[("layers", "k_proj")][0]).reshape(5, cfg.num_kv_heads, hd)
+        v = (x @ w[("layers", "v_proj")][0]).reshape(5, cfg.num_kv_heads, hd)
+        group = cfg.num_heads // cfg.num_kv_heads
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v).reshape(5, -1)
+        return out @ w[("layers", "o_proj")][0]
+
+    for model in (2, 4, 8):
+        new_cfg, new_weights = pad_heads(cfg, weights, model)
+        np.testing.assert_allclose(attention(new_cfg, new_weights), attention(cfg, weights), atol=1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads, kv_heads, hidden", [(8, 2, 64), (9, 3, 72)])
+def test_logits_agree_across_meshes(heads, kv_heads, hidden, tmp_path, smollm2_tokenizer):
+    write_tiny_model(tmp_path / "model", "llama", smollm2_tokenizer, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, hidden_size=hidden)
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", MESHES)
+    for mesh in MESHES.split(",")[1:]:
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        assert results[f"heads_{mesh}"][1] % int(mesh.split("x")[1]) == 0
+
+
+@pytest.mark.slow
+def test_smollm2_tokens_are_identical_across_meshes(tmp_path):
+    meshes = "1x1,1x2,1x8"                  # 12/4 and 24/8 heads: both ways of padding
+    results = run_worker("-", tmp_path / "out.npz", meshes, "--engine")
+    for mesh in meshes.split(",")[1:]:
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        assert (results[f"tokens_{mesh}"] == results["tokens_1x1"]).all(), mesh
