@@ -12,13 +12,16 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from jaxserve.checkpoint.loader import load_model  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+from jaxserve.checkpoint.loader import expected_params, load_model  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.engine import LLMEngine  # noqa: E402
+from jaxserve.engine.kv_pages import allocate  # noqa: E402
 from jaxserve.engine.runner import Runner  # noqa: E402
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.sharding import mesh_from_config  # noqa: E402
+from jaxserve.sharding import KV_POOL_SPEC, mesh_from_config, sharding_for  # noqa: E402
 
 PAGE_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 37, 16
 
@@ -36,6 +39,18 @@ def paged_logits(model) -> np.ndarray:
         start = len(tokens)
         tokens.append(int(np.argmax(rows[-1])))
     return np.stack(rows)
+
+
+def misplaced(model) -> list[str]:
+    """Parameters (and the KV pool) whose sharding is not what the rule table says."""
+    if model.mesh is None:
+        return []
+    wrong = [path for path, param in expected_params(model.params).items()
+             if not param.sharding.is_equivalent_to(sharding_for(model.mesh, "/".join(path), param.shape), param.ndim)]
+    pool = allocate(model.config, 8, PAGE_SIZE, model.dtype, model.mesh)
+    if not pool.k.sharding.is_equivalent_to(NamedSharding(model.mesh, KV_POOL_SPEC), pool.k.ndim):
+        wrong.append("kv_pool")
+    return ["/".join(p) if isinstance(p, tuple) else p for p in wrong]
 
 
 def engine_tokens(model, mesh: str) -> np.ndarray:
@@ -56,6 +71,7 @@ def main(model_dir: str, out: str, meshes: str, with_engine: bool) -> None:
         model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh))
         results[f"logits_{mesh}"] = paged_logits(model)
         results[f"heads_{mesh}"] = np.array([model.config.num_heads, model.config.num_kv_heads])
+        results[f"misplaced_{mesh}"] = np.array(misplaced(model))
         if with_engine:
             results[f"tokens_{mesh}"] = engine_tokens(model, mesh)
     np.savez(out, **results)

@@ -97,6 +97,7 @@ def test_logits_agree_across_meshes(heads, kv_heads, hidden, tmp_path, smollm2_t
     for mesh in MESHES.split(",")[1:]:
         np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
         assert results[f"heads_{mesh}"][1] % int(mesh.split("x")[1]) == 0
+        assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
 
 
 @pytest.mark.slow
