@@ -224,7 +224,8 @@ class Scheduler:
             num_output_tokens=len(request.output_token_ids),
             prompt_token_ids=request.prompt_token_ids if penalizes else (),
             output_token_ids=request.output_token_ids if penalizes else (),
-            suppressed_token_ids=(*request.eos_token_ids, *p.stop_token_ids) if suppress else (),
+            suppressed_token_ids=(*(() if p.ignore_eos else request.eos_token_ids), *p.stop_token_ids)
+            if suppress else (),
         )
 
     # ---- after the step -------------------------------------------------------------------------
