@@ -26,6 +26,7 @@ from jaxserve import compile_cache
 from jaxserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
+from jaxserve.sharding import ensure_devices, parse_mesh
 
 log = logging.getLogger("jaxserve.serve")
 
@@ -114,8 +115,6 @@ def _read_config_file(parser: argparse.ArgumentParser, path: pathlib.Path) -> di
 
 def _prepare_devices(mesh: str) -> None:
     """A mesh larger than a CPU host's one device gets that many host devices (before JAX starts)."""
-    from jaxserve.sharding import ensure_devices, parse_mesh
-
     data, model = parse_mesh(mesh)
     if ensure_devices(data * model) and jax.default_backend() == "cpu":
         log.info("mesh %s on the CPU: running on %d host devices (jax_num_cpu_devices)", mesh, data * model)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 
 import jax
@@ -54,11 +55,9 @@ def parse_mesh(text: str) -> tuple[int, int]:
 def ensure_devices(num_devices: int) -> bool:
     """On a CPU-only host, asks JAX for `num_devices` host devices. Must run before JAX's backend
     starts. True if it set the count."""
-    import os
-
     if os.environ.get("JAX_PLATFORMS", "cpu") not in ("", "cpu") or num_devices <= 1:
         return False
-    jax.config.update("jax_num_cpu_devices", max(num_devices, 1))
+    jax.config.update("jax_num_cpu_devices", num_devices)
     return True
 
 
@@ -86,7 +85,8 @@ def spec_for(path: str) -> P:
 
 def sharding_for(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding:
     """The rule's sharding, with any axis that does not divide by its mesh axis replicated."""
-    spec = list(spec_for(path)) + [None] * (len(shape) - len(spec_for(path)))
+    rule = spec_for(path)
+    spec = list(rule) + [None] * (len(shape) - len(rule))
     for i, axis in enumerate(spec):
         if axis is not None and shape[i] % mesh.shape[axis]:
             log.warning("%s: dimension %d (%d) does not divide by mesh axis %r (%d); replicated",
@@ -107,6 +107,10 @@ class HeadLayout:
     group: int              # query heads per KV head, after replication
     replicas: int
     pad_kv: int
+
+    @property
+    def unchanged(self) -> bool:
+        return self.replicas == 1 and self.pad_kv == 0
 
     @property
     def new_kv_heads(self) -> int:
@@ -131,7 +135,7 @@ def pad_heads(cfg: ModelConfig, params: dict[tuple[str, ...], np.ndarray],
               model_size: int) -> tuple[ModelConfig, dict[tuple[str, ...], np.ndarray]]:
     """The config and host weights rearranged so that heads and KV heads divide by `model_size`."""
     layout = head_layout(cfg, model_size)
-    if layout.replicas == 1 and layout.pad_kv == 0:
+    if layout.unchanged:
         return cfg, params
     log.info("heads %d/%d (query/KV) do not split %d ways: running %d/%d (%s); KV pool and attention "
              "weights grow %.2fx", cfg.num_heads, cfg.num_kv_heads, model_size, layout.new_heads,

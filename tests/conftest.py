@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import jax
@@ -11,8 +12,10 @@ from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.tokenizer import load_tokenizer
 
-# The workloads ship in the shared folder beside the checkout (as CI lays it out too).
-WORKLOADS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads"
+# The workloads ship in the shared folder beside the checkout (as CI lays it out too); a checkout
+# elsewhere names them with $JAXSERVE_WORKLOADS.
+WORKLOADS = pathlib.Path(os.environ.get("JAXSERVE_WORKLOADS")
+                         or pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads")
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

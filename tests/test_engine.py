@@ -163,7 +163,7 @@ def test_logit_bias_and_min_tokens_steer_greedy_decoding(engine):
     assert out.token_ids[3] == favourite and out.finish_reason == "stop"
 
 
-def test_repetition_penalty_changes_greedy_repeats(engine):
+def test_frequency_and_presence_penalties_vary_greedy_output(engine):
     plain = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert len(set(plain.token_ids)) < len(plain.token_ids)          # the random model repeats itself
     penalized = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,

@@ -16,10 +16,6 @@ PROMPTS = [f"Here is a short fact about {topic}:" for topic in TOPICS]
 MAX_TOKENS = 24
 
 
-def llm_over(engine) -> LLM:
-    return LLM.from_engine(engine)
-
-
 async def stream_completion(session, url: str, prompt: str) -> tuple[str, str, int]:
     """(text, finish reason, completion tokens) of one streamed /v1/completions request."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
@@ -41,7 +37,7 @@ async def stream_completion(session, url: str, prompt: str) -> tuple[str, str, i
 
 @pytest.mark.slow
 def test_16_concurrent_streams_equal_llm_generate(smollm2_engine):
-    expected = llm_over(smollm2_engine).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    expected = LLM.from_engine(smollm2_engine).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     with serving(smollm2_engine) as server:
         async def clients():
             async with aiohttp.ClientSession() as session:

@@ -4,6 +4,7 @@ Multi-device runs happen in a fresh process with 8 host devices (tests/mesh_work
 count is fixed when JAX starts, and the rest of the suite runs on one device.
 """
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxserve.checkpoint.loader import expected_params
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.models.llama import abstract_model
 from jaxserve.sharding import PARTITION_RULES, head_layout, pad_heads, parse_mesh, spec_for
 
 from conftest import write_tiny_model
@@ -42,6 +45,13 @@ def test_rule_table_covers_every_parameter():
     assert spec_for("layers/q_proj") == spec_for("layers/up_proj") != spec_for("layers/o_proj")
     assert spec_for("layers/input_norm") == spec_for("final_norm") == PARTITION_RULES[-1][1]
     assert spec_for("embed")[0] == "model" and spec_for("lm_head")[1] == "model"
+    cfg = dataclasses.replace(_config(8, 2), qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True)
+    replicated = {"final_norm", "layers/input_norm", "layers/post_attention_norm", "layers/q_norm",
+                  "layers/k_norm", "layers/o_bias", "layers/down_bias"}
+    for path, param in expected_params(abstract_model(cfg, np.float32)[1]).items():
+        name, spec = "/".join(path), spec_for("/".join(path))
+        assert len(spec) <= param.ndim, name
+        assert ("model" in spec) == (name not in replicated), name   # split exactly where it should be
 
 
 def _config(heads, kv_heads, head_dim=4):

@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import re
 import signal
 import statistics
 import sys
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 import bench_long_prompt
@@ -48,7 +48,6 @@ from bench_report import PERCENTILES, plot, print_table, print_workload_comparis
 from launch_server import LaunchedServer, ServerFailedError
 
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # jaxserve's, on /metrics
-_COUNTER_LINE = re.compile(r"^jaxserve:(\w+?)(?:_total)?(?:\{.*\})?\s+(\S+)$")
 
 
 @dataclasses.dataclass
@@ -183,10 +182,10 @@ async def server_counters(base_url: str, headers: dict) -> dict[str, float]:
     except aiohttp.ClientError:
         return {}
     counters: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _COUNTER_LINE.match(line)
-        if match and match.group(1) in COUNTERS:
-            counters[match.group(1)] = counters.get(match.group(1), 0.0) + float(match.group(2))
+    for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
+        name = sample.name.removeprefix("jaxserve:").removesuffix("_total")
+        if sample.name.endswith("_total") and name in COUNTERS:
+            counters[name] = counters.get(name, 0.0) + sample.value
     return counters
 
 

@@ -22,7 +22,7 @@ from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.weight_maps import map_hf_weights
 from jaxserve.config import ModelConfig
 from jaxserve.models.llama import abstract_model
-from jaxserve.sharding import pad_heads, sharding_for
+from jaxserve.sharding import head_layout, pad_heads, sharding_for
 from jaxserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
 
 
 def needs_rearranging(config: ModelConfig, mesh: Mesh) -> bool:
-    return config.num_kv_heads % mesh.shape["model"] != 0
+    return not head_layout(config, mesh.shape["model"]).unchanged
 
 
 def _onto_mesh(config: ModelConfig, dtype, values: dict, mesh: Mesh):

@@ -315,13 +315,13 @@ class AsyncEngine:
             live.add(request_id)
         except Exception as exc:  # noqa: BLE001 - the caller gets it (InvalidRequestError: a 400)
             error = exc
-        self._post(self._on_added, accepted, params.num_samples, error, self._stats())
+        self._post(self._on_added, accepted, params.num_samples, error, self.engine.stats())
 
     def _abort(self, live: set[str], request_id: str) -> None:
         live.discard(request_id)
         output = self.engine.abort(request_id)
         if output is not None:
-            self._post(self._on_outputs, [output], time.monotonic(), self._stats())
+            self._post(self._on_outputs, [output], time.monotonic(), self.engine.stats())
 
     def _step(self, live: set[str]) -> None:
         try:
@@ -332,7 +332,7 @@ class AsyncEngine:
         for output in outputs:
             if output.finished:
                 live.discard(output.request_id)
-        self._post(self._on_outputs, outputs, time.monotonic(), self._stats())
+        self._post(self._on_outputs, outputs, time.monotonic(), self.engine.stats())
 
     def _fail_all(self, live: set[str], message: str) -> list[RequestOutput]:
         failed = []
@@ -344,6 +344,3 @@ class AsyncEngine:
             output = output or RequestOutput(request_id, None, [], [], True)
             failed.append(dataclasses.replace(output, finished=True, error=message))
         return failed
-
-    def _stats(self) -> EngineStats:
-        return self.engine.stats()

@@ -53,7 +53,7 @@ class _Group:
     samples: list[Request]
     texts: list[SampleText]
     error: str | None = None
-    logprobs: list[list[TokenLogprob]] = dataclasses.field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = dataclasses.field(init=False)   # per sample, per token
 
     def __post_init__(self):
         self.logprobs = [[] for _ in self.samples]

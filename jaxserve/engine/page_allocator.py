@@ -95,18 +95,19 @@ class PageAllocator:
         self._num_registered[seq_id] = len(table)
         return len(table)
 
-    def cache_pages(self, seq_id: str, hashes: list[bytes]) -> None:
-        """Registers `seq_id`'s first `len(hashes)` pages, full and computed, under their hashes.
-        A hash already cached (the same prefix computed twice) keeps its first page."""
-        if not self.enable_caching:
+    def cache_pages(self, seq_id: str, hashes: list[bytes], num_pages: int | None = None) -> None:
+        """Registers `seq_id`'s first `num_pages` pages (default: `len(hashes)`), full and computed,
+        under their hashes. A hash already cached (the same prefix computed twice) keeps its first page."""
+        num_pages = len(hashes) if num_pages is None else num_pages
+        if not self.enable_caching or num_pages <= self._num_registered.get(seq_id, 0):
             return
         table = self._tables[seq_id]
-        for i in range(self._num_registered.get(seq_id, 0), len(hashes)):
+        for i in range(self._num_registered.get(seq_id, 0), num_pages):
             page = table[i]
             if hashes[i] not in self._page_of_hash and page not in self._hash_of_page:
                 self._page_of_hash[hashes[i]] = page
                 self._hash_of_page[page] = hashes[i]
-        self._num_registered[seq_id] = max(self._num_registered.get(seq_id, 0), len(hashes))
+        self._num_registered[seq_id] = num_pages
 
     def clear_cache(self) -> None:
         """Forgets every cached page (the pool's contents were lost); unreferenced ones become free."""

@@ -254,8 +254,9 @@ class Scheduler:
 
     def _cache_computed_pages(self, request: Request) -> None:
         if self.allocator.enable_caching:
-            full_pages = request.num_computed_tokens // self.allocator.page_size
-            self.allocator.cache_pages(request.request_id, request.page_hashes(self.allocator.page_size)[:full_pages])
+            page_size = self.allocator.page_size
+            self.allocator.cache_pages(request.request_id, request.page_hashes(page_size),
+                                       request.num_computed_tokens // page_size)
 
     def _fork_samples(self, first: Request) -> None:
         """The other samples of `first`'s prompt start running, on its prompt pages."""

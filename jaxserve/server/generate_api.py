@@ -36,6 +36,6 @@ async def _stream(request: web.Request, streams, n: int) -> web.StreamResponse:
             if moved:
                 await events.send(GenerateChunk(outputs=[
                     GenerateStreamOutput(index=d.choice, output_text=d.text, finish_reason=d.finish_reason,
-                                         logprobs=None if d.logprobs is None else generate_logprobs(d.logprobs))
+                                         logprobs=generate_logprobs(d.logprobs) if d.logprobs else None)
                     for d in moved]))
     return events.response

@@ -62,14 +62,15 @@ def _top_map(entry: TokenLogprob, texts: TokenTexts) -> dict[str, float]:
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> ChatLogprobs:
     """OpenAI's chat logprobs: `{"content": [one object per token]}`."""
     return ChatLogprobs(content=[
-        ChatTokenLogprob(**_chat_token(e.token_id, e.logprob, texts).model_dump(),
-                         top_logprobs=[_chat_token(t, lp, texts) for t, lp in e.top])
+        ChatTokenLogprob(**_chat_token(e.token_id, e.logprob, texts),
+                         top_logprobs=[TopLogprob(**_chat_token(t, lp, texts)) for t, lp in e.top])
         for e in entries])
 
 
-def _chat_token(token_id: int, logprob: float, texts: TokenTexts) -> TopLogprob:
+def _chat_token(token_id: int, logprob: float, texts: TokenTexts) -> dict:
+    """The fields chat shows of one token: its text, logprob and the text's UTF-8 bytes."""
     text = texts(token_id)
-    return TopLogprob(token=text, logprob=wire_logprob(logprob), bytes=list(text.encode("utf-8")))
+    return dict(token=text, logprob=wire_logprob(logprob), bytes=list(text.encode("utf-8")))
 
 
 def generate_logprobs(entries: Sequence[TokenLogprob]) -> list[GenerateTokenLogprob]:

@@ -80,12 +80,10 @@ class _EngineCounters:
     """Counters the engine keeps itself (cumulative fields of `EngineStats`), read when scraped: a
     prometheus `Counter` can only be incremented, not read from a function."""
 
-    COUNTERS = (
-        ("num_preemptions", "Sequences preempted (their pages freed, later recomputed).",
-         lambda s: s.num_preemptions),
-        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
-        ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
-         lambda s: s.prefix_cache_hits),
+    COUNTERS = (   # (EngineStats field = metric name, help)
+        ("num_preemptions", "Sequences preempted (their pages freed, later recomputed)."),
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)."),
     )
 
     def __init__(self, label: dict[str, str], stats: Callable[[], EngineStats]):
@@ -94,7 +92,7 @@ class _EngineCounters:
 
     def collect(self):
         stats = self._stats()
-        for name, doc, read in self.COUNTERS:
+        for name, doc in self.COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._label))
-            family.add_metric(list(self._label.values()), read(stats))
+            family.add_metric(list(self._label.values()), getattr(stats, name))
             yield family

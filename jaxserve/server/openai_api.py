@@ -33,9 +33,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body.stream:
         return await _stream_completions(request, body, streams, head, params.n, texts)
     outputs = await final_outputs(streams)
-    # Ranked by position: with best_of, the engine returns the n best of more samples.
-    choices = [_completion_choice(p * params.n + i, sample, texts)
-               for p, output in enumerate(outputs) for i, sample in enumerate(output.outputs)]
+    choices = [_completion_choice(p * params.n + sample.index, sample, texts)
+               for p, output in enumerate(outputs) for sample in output.outputs]
     return json_response(CompletionResponse(**head, choices=choices, usage=usage(outputs)))
 
 

@@ -4,7 +4,7 @@ Validation, the 400 messages and the OpenAPI schema all come from these models. 
 parsed strictly from JSON (`model_validate_json`) and forbid unknown fields, so a parameter we do
 not implement is refused rather than silently ignored; the OpenAI parameters clients commonly
 send with their neutral value are declared, and refused only when set to something else
-(`unsupported()`). `check()` adds the rules between fields that a schema cannot say.
+(in `check()`, which also holds the rules between fields that a schema cannot say).
 """
 
 from __future__ import annotations
@@ -32,11 +32,8 @@ class _Request(BaseModel):
     UNSUPPORTED: ClassVar[dict] = {}
 
     def check(self) -> None:
-        """Raises InvalidRequestError for what the field types cannot refuse on their own."""
-        self.unsupported()
-
-    def unsupported(self) -> None:
-        """Raises InvalidRequestError for a parameter set to a value we do not implement yet."""
+        """Raises InvalidRequestError for what the field types cannot refuse on their own: here, a
+        parameter set to a value we do not implement yet."""
         for name, neutral in self.UNSUPPORTED.items():
             value = getattr(self, name)
             if value not in (None, neutral):
@@ -147,8 +144,7 @@ class CompletionRequest(_OpenAIRequest):
         return self.logprobs
 
     def samples_to_rank(self) -> int | None:
-        # best_of == n ranks nothing: the same as n alone.
-        return None if self.best_of == (self.n or 1) else self.best_of
+        return self.best_of
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (text or token ids)."""

@@ -58,7 +58,7 @@ class ServerContext:
 CONTEXT = web.AppKey("jaxserve_context", ServerContext)
 
 
-async def parse_body(request: web.Request, model: type[BaseModel]):
+async def parse_body(request: web.Request, model: type[SamplingFields]):
     """The JSON body validated as `model`; APIError 400 on malformed JSON or an invalid field."""
     raw = await request.read()  # raises 413 past the app's client_max_size
     try:
@@ -71,8 +71,7 @@ async def parse_body(request: web.Request, model: type[BaseModel]):
         if first["type"] == "model_type":
             raise APIError(400, "the body must be a JSON object", None, "invalid_json") from None
         raise validation_error(error, model) from None
-    if hasattr(body, "check"):
-        body.check()
+    body.check()
     return body
 
 
