@@ -139,6 +139,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
     mesh: str = "1x1"                     # DxM devices: data x model (tensor) parallel
+    coordinator_address: str | None = None  # HOST:PORT of process 0, for several processes (hosts)
+    num_processes: int = 1                # processes (hosts) the mesh spans
+    process_id: int = 0                   # this process; 0 serves HTTP and schedules
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
@@ -165,5 +168,15 @@ class EngineConfig:
                  f"{self.max_model_len} when chunked prefill is off (a prompt is prefilled in one step)")
         _require(re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.mesh) is not None,
                  f"mesh={self.mesh!r} is not DxM with D, M >= 1 (data x model), e.g. 1x8")
+        _require(self.num_processes >= 1, f"num_processes={self.num_processes} must be >= 1")
+        _require(0 <= self.process_id < self.num_processes,
+                 f"process_id={self.process_id} is outside [0, num_processes={self.num_processes})")
+        _require(self.num_processes == 1 or re.fullmatch(r".+:\d+", self.coordinator_address or "") is not None,
+                 f"coordinator_address={self.coordinator_address!r} must be HOST:PORT when num_processes="
+                 f"{self.num_processes} > 1")
+        data, model = (int(n) for n in self.mesh.split("x"))
+        _require(data * model % self.num_processes == 0,
+                 f"mesh={self.mesh} has {data * model} devices, which do not split evenly over "
+                 f"num_processes={self.num_processes}")
         _require(self.attention_backend in ("xla",),
                  f"attention_backend={self.attention_backend!r} is not one of ('xla',)")

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -22,13 +23,15 @@ import typing
 
 import jax
 
-from jaxserve import compile_cache
+from jaxserve import compile_cache, distributed
 from jaxserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 from jaxserve.sharding import ensure_devices, parse_mesh
 
 log = logging.getLogger("jaxserve.serve")
+
+FOLLOWER_TIMEOUT_S = 900   # processes wait this long for each other to load and compile
 
 HELP = {
     "model": "a .gguf file, an HF directory or a jaxserve.convert directory; none: the embedded "
@@ -48,6 +51,10 @@ HELP = {
     "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
     "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
     "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices",
+    "coordinator_address": "HOST:PORT of process 0 when the mesh spans several processes (hosts); "
+                           "process 0 also listens on PORT+1 for the others",
+    "num_processes": "processes (hosts) the mesh spans",
+    "process_id": "this process's index; process 0 serves HTTP, the others follow its steps",
     "served_model_name": "the model name clients send; none: the model file's name",
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
@@ -121,26 +128,64 @@ def _prepare_devices(mesh: str) -> None:
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Serves until SIGINT/SIGTERM; returns the exit status."""
-    from jaxserve.engine.engine import LLMEngine
-    from jaxserve.progress import progress_bar
+    """Serves until SIGINT/SIGTERM (or a lost follower process); returns the exit status."""
     from jaxserve.server.app import create_app, start_server
 
     started = time.perf_counter()
-    engine = AsyncEngine(lambda: LLMEngine(engine_config, progress=progress_bar("compiling")))
-    runner, port = await start_server(create_app(engine, config), config.host, config.port)
     stop = asyncio.Event()
+    lost: list[str] = []
+    leader = _leader(engine_config, lambda message: loop.call_soon_threadsafe(lose, message))
+    engine = AsyncEngine(lambda: _build_engine(engine_config, leader))
+
+    def lose(message: str) -> None:
+        log.error("%s: failing every request and exiting", message)
+        lost.append(message)
+        engine.fail(message)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    runner, port = await start_server(create_app(engine, config), config.host, config.port)
     for signum in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, stop.set)
     status = await _until_ready_or_stopped(engine, stop)
     if status is None:
         print(f"jaxserve ready in {time.perf_counter() - started:.1f} s: http://{config.host}:{port}/v1 "
               f"(model {config.served_model_name!r})", flush=True)
         await stop.wait()
-        log.info("draining: finishing running requests (up to %.0f s)", config.drain_timeout_s)
-        status = 0
+        if not lost:
+            log.info("draining: finishing running requests (up to %.0f s)", config.drain_timeout_s)
+        status = 1 if lost else 0
     await runner.cleanup()
+    if leader is not None:
+        leader.close()
     return status
+
+
+def _leader(config: EngineConfig, on_lost) -> "distributed.Leader | None":
+    """Process 0's connections to the other processes, when there are any."""
+    if config.num_processes == 1:
+        return None
+    return distributed.Leader(distributed.control_address(config.coordinator_address),
+                              config.num_processes - 1, on_lost)
+
+
+def _build_engine(config: EngineConfig, leader: "distributed.Leader | None"):
+    from jaxserve.engine.engine import LLMEngine
+    from jaxserve.progress import progress_bar
+
+    engine = LLMEngine(config, progress=progress_bar("compiling"), followers=leader)
+    if leader is not None:
+        leader.wait_for_followers(FOLLOWER_TIMEOUT_S)
+    return engine
+
+
+def _follow(config: EngineConfig) -> int:
+    """A process other than 0: builds the same engine, then replays process 0's device calls."""
+    from jaxserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    return distributed.follow(engine.runner.replay, distributed.control_address(config.coordinator_address),
+                              config.process_id, FOLLOWER_TIMEOUT_S)
 
 
 async def _until_ready_or_stopped(engine: AsyncEngine, stop: asyncio.Event) -> int | None:
@@ -164,9 +209,21 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if server_config.log_level != "debug":
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    _prepare_devices(engine_config.mesh)
+    if engine_config.num_processes == 1:
+        _prepare_devices(engine_config.mesh)
+        compile_cache.enable(server_config.compile_cache_dir)
+        return asyncio.run(serve(engine_config, server_config))
+    distributed.initialize(engine_config)
     compile_cache.enable(server_config.compile_cache_dir)
-    return asyncio.run(serve(engine_config, server_config))
+    if engine_config.process_id == 0:
+        status = asyncio.run(serve(engine_config, server_config))
+    else:
+        status = _follow(engine_config)
+    # Skips jax.distributed's exit barrier, which waits for every process: after a lost process it
+    # would wait for ever, and an engine thread may still be stuck in that process's collective.
+    sys.stdout.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 The mesh has axes `('data', 'model')`. `model` is tensor parallelism: attention heads and KV heads,
 the MLP's intermediate dimension and the vocabulary of the embedding and LM head are split over
-it; XLA inserts the collectives. Attention runs under `shard_map` over `model`, each device on its
-own heads and its own slice of the KV pool (`[layers, kv_heads, pages, page_size, head_dim]`, split
-on the KV-head axis).
+it; XLA inserts the collectives. `data` is data parallelism inside the one program: every step's
+arrays are D slices laid end to end on their leading (token or row) axis and split over `data`,
+and each slice's sequences live in that slice's own part of the KV pool. Weights are replicated
+over `data`. Attention runs under `shard_map` over both axes, each device on its slice's
+sequences, its own heads, and its own block of the KV pool (`[layers, kv_heads, pages,
+page_size, head_dim]`, split on the KV-head axis over `model` and on the page axis over `data`),
+addressed by page ids local to the slice.
 
 Head counts that do not divide by the `model` size are made to (`pad_heads`): KV heads fewer than
 the axis are replicated when the query heads allow it, otherwise heads are padded with zero
@@ -41,7 +45,8 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/(o_proj|down_proj)", P(None, "model", None)),
     (r".*", P()),                                                     # norms, output biases
 )
-KV_POOL_SPEC = P(None, "model", None, None, None)                    # split on KV heads
+KV_POOL_SPEC = P(None, "model", "data", None, None)                  # KV heads x pages
+BATCH_SPEC = P("data")                # every step array: slices end to end on the leading axis
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -67,9 +72,6 @@ def make_mesh(shape: tuple[int, int]) -> Mesh:
     if data * model > len(devices):
         raise ValueError(f"mesh {data}x{model} needs {data * model} devices; {len(devices)} are available "
                          f"({devices[0].platform})")
-    if data != 1:
-        raise ValueError(f"mesh {data}x{model}: the data axis must be 1 for now (data-parallel slices of "
-                         "the KV pool are not implemented); use 1x{data * model}")
     return Mesh(np.array(devices[:data * model]).reshape(data, model), AXES)
 
 

@@ -1,7 +1,7 @@
 """Run by tests/test_sharding.py in a fresh process with 8 host devices: for each mesh, the paged
 logits of one prompt (prefill, then greedy decode steps) and the engine's greedy and seeded tokens.
 
-    python tests/mesh_worker.py MODEL_DIR_OR_- OUT.npz 1x1,1x2,1x8 [--engine]
+    python tests/mesh_worker.py MODEL_DIR_OR_- OUT.npz 1x1,1x2,2x4 [--engine]
 """
 
 import sys
@@ -27,18 +27,26 @@ PAGE_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 37, 16
 
 
 def paged_logits(model) -> np.ndarray:
-    """[PROMPT's last position + DECODE_STEPS, vocab]: greedy decoding through scattered pages."""
-    runner = Runner(model, num_pages=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
-                    max_num_batched_tokens=64, prefill_segment=16, kv_chunk_tokens=8)
-    table = tuple(np.random.default_rng(0).permutation(np.arange(1, 64))[:20].tolist())
-    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, PROMPT_LEN).tolist()
-    rows, start = [], 0
+    """[2, PROMPT's last position + DECODE_STEPS, vocab]: two prompts decoded greedily through
+    scattered pages, one in the first data slice and one in the last."""
+    runner = Runner(model, pages_per_slice=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
+                    max_num_batched_tokens=128, prefill_segment=16, kv_chunk_tokens=8)
+    pages = np.random.default_rng(0).permutation(np.arange(1, 64)).tolist()
+    tables = {"a": tuple(pages[:20]), "b": tuple(pages[20:40])}
+    slices = {"a": 0, "b": runner.num_slices - 1}
+    rng = np.random.default_rng(1)
+    tokens = {name: rng.integers(0, model.config.vocab_size, PROMPT_LEN).tolist() for name in tables}
+    rows, start = {name: [] for name in tables}, 0
     for _ in range(DECODE_STEPS + 1):
-        seq = ScheduledSequence("s", tuple(tokens[start:]), start, table, True, SamplingParams(temperature=0), 0, 0)
-        rows.append(runner.logits(SchedulerOutput((seq,)))["s"])
-        start = len(tokens)
-        tokens.append(int(np.argmax(rows[-1])))
-    return np.stack(rows)
+        seqs = tuple(ScheduledSequence(name, tuple(tokens[name][start:]), start, tables[name], True,
+                                       SamplingParams(temperature=0), 0, 0, data_slice=slices[name])
+                     for name in tables)
+        logits = runner.logits(SchedulerOutput(seqs))
+        start = len(tokens["a"])
+        for name in tables:
+            rows[name].append(logits[name])
+            tokens[name].append(int(np.argmax(logits[name])))
+    return np.stack([np.stack(rows[name]) for name in tables])
 
 
 def misplaced(model) -> list[str]:

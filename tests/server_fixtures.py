@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import subprocess
 import threading
+import time
 
 import pytest
+import requests
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
@@ -92,4 +96,30 @@ def smollm2_engine(smollm2):
 
 
 def pool_is_full(engine: LLMEngine) -> bool:
-    return engine.allocator.num_free_pages == engine.allocator.num_usable_pages
+    return engine.stats().kv_cache_usage == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_flags(config: dict) -> list[str]:
+    """`jaxserve.serve` flags for config fields: {"max_num_seqs": 4} -> ["--max-num-seqs", "4"]."""
+    return [part for name, value in config.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def wait_until_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> list[int]:
+    """/health statuses polled until 200 (asserting the server process stays up); returns them."""
+    statuses = []
+    deadline = time.monotonic() + timeout
+    while not statuses or statuses[-1] != 200:
+        assert server.poll() is None, "the server exited"
+        assert time.monotonic() < deadline, f"not ready after {timeout} s: {statuses[-5:]}"
+        try:
+            statuses.append(requests.get(f"{url}/health", timeout=5).status_code)
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.05)
+    return statuses

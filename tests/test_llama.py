@@ -24,7 +24,7 @@ def _sequence(tokens, start, table, samples=True):
 
 def _paged_logits(model, prompt, continuation):
     """Prefill logits at every prompt position, then one logit row per decode step."""
-    runner = Runner(model, num_pages=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
+    runner = Runner(model, pages_per_slice=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
                     max_num_batched_tokens=64, prefill_segment=16, kv_chunk_tokens=8)
     rng = np.random.default_rng(0)
     total = len(prompt) + len(continuation)

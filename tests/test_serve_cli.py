@@ -2,23 +2,15 @@
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import jax
 import pytest
 import requests
 
 from jaxserve.serve import parse_args
-from server_fixtures import TINY_ENGINE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_fixtures import TINY_ENGINE, cli_flags, free_port, wait_until_healthy
 
 
 def test_flags_map_onto_the_configs():
@@ -31,21 +23,17 @@ def test_flags_map_onto_the_configs():
         parse_args(["--page-size", "3"])  # EngineConfig refuses it: argparse reports it
 
 
-def _flags(config: dict) -> list[str]:
-    return [part for name, value in config.items() for part in (f"--{name.replace('_', '-')}", str(value))]
-
-
 def test_serve_loads_serves_and_drains_on_sigterm(tiny_models, tmp_path):
     directory, _ = tiny_models("llama")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *_flags(TINY_ENGINE),
+    command = [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(TINY_ENGINE),
                "--port", str(port), "--served-model-name", "tiny",
                "--compile-cache-dir", jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")]
     stderr = open(tmp_path / "stderr.txt", "w")
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        assert 503 in _health_until_ready(url, server), "/health said 503 while the engine loaded"
+        assert 503 in wait_until_healthy(url, server), "/health said 503 while the engine loaded"
         ready = server.stdout.readline()
         assert ready.startswith("jaxserve ready in ") and f"{url}/v1 (model 'tiny')" in ready
 
@@ -63,20 +51,6 @@ def test_serve_loads_serves_and_drains_on_sigterm(tiny_models, tmp_path):
         if server.poll() is None:
             server.kill()
         stderr.close()
-
-
-def _health_until_ready(url: str, server: subprocess.Popen, timeout: float = 180) -> list[int]:
-    statuses = []
-    deadline = time.monotonic() + timeout
-    while not statuses or statuses[-1] != 200:
-        assert server.poll() is None, "the server exited"
-        assert time.monotonic() < deadline, f"not ready after {timeout} s: {statuses[-5:]}"
-        try:
-            statuses.append(requests.get(f"{url}/health", timeout=5).status_code)
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.05)
-    return statuses
 
 
 def test_config_file_sets_defaults_and_flags_override(tmp_path):
@@ -98,22 +72,21 @@ def test_shipped_configs_parse():
 
 
 @pytest.mark.slow
-def test_serve_on_a_mesh_of_host_devices_answers(tiny_models, tmp_path):
-    directory, _ = tiny_models("llama")
+def test_serve_on_a_2x4_mesh_of_host_devices_answers(tmp_path):
+    """The embedded model, two data slices of four devices each."""
     port = free_port()
-    command = [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *_flags(TINY_ENGINE),
-               "--mesh", "1x4", "--port", str(port),
+    command = [sys.executable, "-m", "jaxserve.serve", *cli_flags(TINY_ENGINE), "--mesh", "2x4", "--port", str(port),
                "--compile-cache-dir", jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")]
     stderr = open(tmp_path / "stderr.txt", "w")
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        _health_until_ready(f"http://127.0.0.1:{port}", server, timeout=300)
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout=300)
         reply = requests.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
-        assert "running on 4 host devices" in (tmp_path / "stderr.txt").read_text()
+        assert "running on 8 host devices" in (tmp_path / "stderr.txt").read_text()
     finally:
         if server.poll() is None:
             server.kill()

@@ -20,7 +20,7 @@ from jaxserve.sharding import PARTITION_RULES, head_layout, pad_heads, parse_mes
 from conftest import write_tiny_model
 
 WORKER = Path(__file__).with_name("mesh_worker.py")
-MESHES = "1x1,1x2,1x4,1x8"
+MESHES = "1x1,1x2,2x1,2x4,1x8"
 
 
 def run_worker(model: str, out: Path, meshes: str, *flags: str) -> dict[str, np.ndarray]:
@@ -112,8 +112,9 @@ def test_logits_agree_across_meshes(heads, kv_heads, hidden, tmp_path, smollm2_t
 
 @pytest.mark.slow
 def test_smollm2_tokens_are_identical_across_meshes(tmp_path):
-    meshes = "1x1,1x2,1x8"                  # 12/4 and 24/8 heads: both ways of padding
+    meshes = "1x1,1x2,2x1,2x4,1x8"          # 12/4 and 24/8 heads: both ways of padding; data slices
     results = run_worker("-", tmp_path / "out.npz", meshes, "--engine")
     for mesh in meshes.split(",")[1:]:
-        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        # 30 layers, logits up to ~20: float32 sums in another order drift by up to ~1.2e-4
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=3e-4, rtol=0)
         assert (results[f"tokens_{mesh}"] == results["tokens_1x1"]).all(), mesh

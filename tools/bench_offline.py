@@ -20,9 +20,13 @@ def read_workload(path: str, limit: int | None) -> list[dict]:
 
 def bench_jaxserve(rows, args, mesh: str) -> dict:
     from jaxserve import LLM, SamplingParams
+    from jaxserve.sharding import parse_mesh
 
+    # The limits are per data slice: split the step's totals so that every mesh holds the same batch.
+    slices = parse_mesh(mesh)[0]
     started = time.perf_counter()
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs // slices,
+              max_num_batched_tokens=args.max_num_batched_tokens // slices,
               max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh)
     startup = time.perf_counter() - started
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in rows]
@@ -76,8 +80,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers, one request at a time")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="per step, over all data slices")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="per step, over all data slices")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--dtype", default="auto")

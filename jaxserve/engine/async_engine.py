@@ -186,8 +186,9 @@ class AsyncEngine:
         """Stops the engine thread (after `drain`, or aborting whatever still runs)."""
         if self._thread is not None:
             self._commands.put(("stop",))
-            # A thread still building the engine cannot be interrupted; it is a daemon, leave it.
-            if self.state is not EngineState.LOADING:
+            # A thread still building the engine cannot be interrupted, and a failed engine's may be
+            # stuck in a step (a lost follower process); it is a daemon, leave it.
+            if self.state not in (EngineState.LOADING, EngineState.FAILED):
                 await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
         self.state = EngineState.STOPPED
@@ -255,6 +256,10 @@ class AsyncEngine:
             accepted.set_result(None)
         else:
             accepted.set_exception(error)
+
+    def fail(self, message: str) -> None:
+        """Fails every request now and takes no more (on the event loop): the engine cannot go on."""
+        self._on_crashed(message)
 
     def _on_crashed(self, message: str) -> None:
         self.state = EngineState.FAILED

@@ -6,6 +6,10 @@ Packed token layout, `T = Gd + Gp * segment`:
             its last one padded
 Logit rows, `S = Gd + Gp`: one per decode slot, then one per prefill sequence that samples.
 Padding tokens sit at position -1 and write their K/V into the reserved page 0.
+
+Over D data slices, each slice's sequences are laid out as above in the same bucket, with page ids
+local to the slice, and the D layouts are concatenated on every array's leading axis (the mesh
+splits them there); logit row indices count from the start of the whole batch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from flax import struct
 
@@ -49,17 +54,37 @@ class BatchLayout:
     vocab_size: int
     history_width: int        # token history per sampled row (penalties): the context length
 
-    def needs(self, output: SchedulerOutput) -> Bucket:
-        """The smallest sizes that hold this step: decode slots and prefill segments."""
-        decode = sum(1 for s in output.sequences if s.num_tokens == 1)
-        segments = sum(math.ceil(s.num_tokens / self.segment) for s in output.sequences if s.num_tokens > 1)
-        return Bucket(decode, segments)
+    def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
+        """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
+        decode, segments = [0] * num_slices, [0] * num_slices
+        for s in output.sequences:
+            if s.num_tokens == 1:
+                decode[s.data_slice] += 1
+            else:
+                segments[s.data_slice] += math.ceil(s.num_tokens / self.segment)
+        return Bucket(max(decode), max(segments))
 
     def num_chunks(self, kv_len: int) -> int:
         return math.ceil(kv_len / (self.pages_per_chunk * self.page_size))
 
-    def build(self, output: SchedulerOutput, bucket: Bucket) -> tuple[StepInput, list[ScheduledSequence | None]]:
-        """Arrays for `bucket`, and the sequence sampled at each logit row (None: padding)."""
+    def build(self, output: SchedulerOutput, bucket: Bucket,
+              num_slices: int = 1) -> tuple[StepInput, list[ScheduledSequence | None]]:
+        """Arrays for `bucket` in each of `num_slices` slices, and the sequence sampled at each
+        logit row (None: padding)."""
+        if num_slices == 1:
+            return self._build_slice(output.sequences, bucket)
+        by_slice = [[] for _ in range(num_slices)]
+        for s in output.sequences:
+            by_slice[s.data_slice].append(s)
+        slice_tokens = bucket.num_tokens(self.segment)
+        inputs, rows = [], []
+        for i, sequences in enumerate(by_slice):
+            step, slice_rows = self._build_slice(sequences, bucket)
+            inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens))
+            rows += slice_rows
+        return jax.tree.map(lambda *parts: np.concatenate(parts), *inputs), rows
+
+    def _build_slice(self, sequences, bucket: Bucket) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
         num_tokens = bucket.num_tokens(seg)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -70,7 +95,7 @@ class BatchLayout:
         logits_index = np.zeros(gd + gp, np.int32)
         rows: list[ScheduledSequence | None] = [None] * (gd + gp)
         next_prefill_row = gd
-        for s in output.sequences:
+        for s in sequences:
             table = np.asarray(s.block_table, np.int32)
             pos = s.start_position + np.arange(s.num_tokens, dtype=np.int32)
             kv_chunks = self.num_chunks(s.start_position + s.num_tokens)
@@ -111,4 +136,4 @@ class _GroupArrays:
         return np.arange(num_tokens)
 
     def group(self) -> QueryGroup:
-        return QueryGroup(self.block_tables, np.int32(self.num_chunks))
+        return QueryGroup(self.block_tables, np.array([self.num_chunks], np.int32))

@@ -21,9 +21,10 @@ from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.output import CompletionOutput, RequestOutput, SampleText, TokenLogprob
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
-from jaxserve.engine.runner import Runner
+from jaxserve.engine.data_slices import SlicedScheduler
+from jaxserve.engine.runner import Followers, Runner
 from jaxserve.engine.sampler import row_seed
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.scheduler import SchedulerConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.sharding import mesh_from_config
@@ -92,28 +93,30 @@ def _likelihood(output: CompletionOutput) -> float:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, followers: Followers | None = None):
         self.config = config
         keep_freed_memory()  # XLA's step buffers stay mapped between steps (see host_memory)
         self.model = model or load_model(config.model, config.dtype, mesh_from_config(config.mesh))
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()
-        pages = kv_pool.num_pages(config, self.model.config, self.model.dtype, self.max_model_len)
-        self.allocator = PageAllocator(pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        num_slices = kv_pool.num_data_slices(self.model.mesh)
+        pages = kv_pool.num_pages(config, self.model.config, self.model.dtype, self.max_model_len, num_slices)
+        self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
+                           for _ in range(num_slices)]
+        self.scheduler = SlicedScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
                             config.enable_chunked_prefill, config.scheduling_policy,
                             config.priority_max_wait_steps),
-            self.allocator)
+            self.allocators)
         self.runner = Runner(self.model, pages, config.page_size, self.max_model_len, config.max_num_seqs,
-                             config.max_num_batched_tokens, config.prefill_chunk)
+                             config.max_num_batched_tokens, config.prefill_chunk, followers=followers)
         self.eos_token_ids = self._eos_token_ids()
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
-        log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB)", pages - 1, config.page_size,
-                 (pages - 1) * config.page_size,
-                 pages * kv_pool.bytes_per_page(self.model.config, config.page_size, self.model.dtype) / 2**30)
+        log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB)", num_slices, pages - 1,
+                 config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
+                 * kv_pool.bytes_per_page(self.model.config, config.page_size, self.model.dtype) / 2**30)
         started = time.perf_counter()
         self.runner.warm_up(progress)
         log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets), time.perf_counter() - started)
@@ -207,11 +210,9 @@ class LLMEngine:
         return group.output(request_id)
 
     def stats(self) -> EngineStats:
-        allocator = self.allocator
-        used = allocator.num_usable_pages - allocator.num_free_pages
         counters = self.scheduler.counters
         return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting,
-                           used / max(allocator.num_usable_pages, 1), counters.num_preemptions,
+                           self.scheduler.kv_cache_usage(), counters.num_preemptions,
                            counters.prefix_cache_queries, counters.prefix_cache_hits)
 
     def has_unfinished_requests(self) -> bool:
@@ -269,5 +270,5 @@ class LLMEngine:
                 results.append(group.output(request_id))
                 del self._groups[request_id]
         if pool_lost:
-            self.allocator.clear_cache()   # after the failed requests released their pages
+            self.scheduler.clear_cache()   # after the failed requests released their pages
         return results

@@ -3,6 +3,10 @@
 The runner makes no policy decisions. It picks the smallest compiled shape (bucket) that holds a
 step, builds that step's arrays and calls the jitted step, whose KV pool is donated and returned.
 Every bucket is compiled at start-up (`warm_up`), so serving never compiles.
+
+Over several processes (`jaxserve.distributed`), process 0's runner sends each device call's host
+inputs to `followers` first; the other processes' runners `replay` them, so every process makes
+the same calls in the same order.
 """
 
 from __future__ import annotations
@@ -12,16 +16,19 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxserve.engine import kv_pages as kv_pool
-from jaxserve.engine.batch import BatchLayout, Bucket
+from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
-from jaxserve.models.layers.attention import ModelParallelAttention, XlaPagedAttention
+from jaxserve.models.layers.attention import MeshAttention, XlaPagedAttention
+from jaxserve.sharding import BATCH_SPEC
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +42,33 @@ def _sizes(limit: int) -> list[int]:
     return [0] + powers + [limit]
 
 
+class Followers(Protocol):
+    """The other processes of a multi-process engine (`jaxserve.distributed.Leader`)."""
+
+    def send(self, message: tuple) -> None: ...
+
+
 class Runner:
-    def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS):
+    def __init__(self, model, pages_per_slice: int, page_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
+                 followers: Followers | None = None):
         self.model = model
+        self.followers = followers
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,
                                   model.config.vocab_size, max_model_len)
-        self.max_copies = max_num_seqs   # page copies per copy call: at most one per sequence a step
+        self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
+        self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
         self.decode_sizes = _sizes(max_num_seqs)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
-        self.kv_pages = kv_pool.allocate(model.config, num_pages, page_size, model.dtype, model.mesh)
+        self.kv_pages = kv_pool.allocate(model.config, pages_per_slice, page_size, model.dtype, model.mesh)
         attention = XlaPagedAttention(pages_per_chunk)
+        self._batch_sharding = None
         if model.mesh is not None:
-            attention = ModelParallelAttention(attention, model.mesh)
-        self._step = compile_step(model.graphdef, attention)
+            attention = MeshAttention(attention, model.mesh)
+            self._batch_sharding = NamedSharding(model.mesh, BATCH_SPEC)
+        self._step = compile_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
 
@@ -59,7 +77,7 @@ class Runner:
         return [Bucket(d, p) for d, p in itertools.product(self.decode_sizes, self.segment_sizes) if d or p]
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
-        need = self.layout.needs(output)
+        need = self.layout.needs(output, self.num_slices)
         decode = self.decode_sizes[bisect.bisect_left(self.decode_sizes, need.num_decode)]
         segments = self.segment_sizes[bisect.bisect_left(self.segment_sizes, need.num_segments)]
         return Bucket(decode, segments)
@@ -70,8 +88,8 @@ class Runner:
         no_copies = np.zeros(self.max_copies, np.int32)
         self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile()
         for i, bucket in enumerate(buckets):
-            batch, _ = self.layout.build(SchedulerOutput(()), bucket)
-            self._step.lower(self.model.params, self.kv_pages, batch).compile()
+            batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
+            self._step.lower(self.model.params, self.kv_pages, self._place(batch)).compile()
             if progress:
                 progress(i + 1, len(buckets))
 
@@ -79,9 +97,8 @@ class Runner:
         """Runs one step. Returns the token sampled for each sequence whose chunk reached its end,
         and the logprobs of those whose params ask for them."""
         self._make_copies(output.page_copies)
-        batch, rows = self.layout.build(output, self.bucket_for(output))
-        samples, self.kv_pages = self._step(self.model.params, self.kv_pages, batch)
-        samples = jax.device_get(samples)
+        batch, rows = self.layout.build(output, self.bucket_for(output), self.num_slices)
+        samples = jax.device_get(self._run_step(batch))
         tokens, logprobs = {}, {}
         for i, seq in enumerate(rows):
             if seq is None:
@@ -93,18 +110,40 @@ class Runner:
                 logprobs[seq.request_id] = TokenLogprob(tokens[seq.request_id], float(samples.logprob[i]), top)
         return tokens, logprobs
 
+    def replay(self, message: tuple) -> None:
+        """A follower process makes the device call that process 0's runner sent."""
+        kind, *args = message
+        {"copy": self._copy, "step": self._run_step, "reset": self.reset_pool}[kind](*args)
+
+    def _tell_followers(self, *message) -> None:
+        if self.followers is not None:
+            self.followers.send(message)
+
+    def _run_step(self, batch: StepInput):
+        self._tell_followers("step", batch)
+        samples, self.kv_pages = self._step(self.model.params, self.kv_pages, self._place(batch))
+        return samples
+
+    def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
+        self._tell_followers("copy", source, destination)
+        self.kv_pages = self._copy_pages(self.kv_pages, source, destination)
+
+    def _place(self, batch: StepInput) -> StepInput:
+        """With a mesh, the step's arrays split over its data slices."""
+        return batch if self._batch_sharding is None else jax.device_put(batch, self._batch_sharding)
+
     def _make_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
         for start in range(0, len(copies), self.max_copies):
             pairs = np.zeros((self.max_copies, 2), np.int32)   # padding copies page 0 onto itself
             chunk = copies[start:start + self.max_copies]
             pairs[:len(chunk)] = chunk
-            self.kv_pages = self._copy_pages(self.kv_pages, pairs[:, 0], pairs[:, 1])
+            self._copy(pairs[:, 0], pairs[:, 1])
 
     def logits(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
         """Runs one step and returns, instead of tokens, the logits of each sampling sequence."""
         self._make_copies(output.page_copies)
-        batch, rows = self.layout.build(output, self.bucket_for(output))
-        logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, batch)
+        batch, rows = self.layout.build(output, self.bucket_for(output), self.num_slices)
+        logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self._place(batch))
         logits = np.asarray(logits)
         return {seq.request_id: logits[i] for i, seq in enumerate(rows) if seq}
 
@@ -113,5 +152,7 @@ class Runner:
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages))
 
     def reset_pool(self) -> None:
+        self._tell_followers("reset")
         k = self.kv_pages.k
-        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2], k.shape[3], self.model.dtype, self.model.mesh)
+        self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2] // self.num_slices, k.shape[3],
+                                         self.model.dtype, self.model.mesh)

@@ -72,9 +72,10 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, data_slice: int = 0):
         self.config = config
         self.allocator = allocator
+        self.data_slice = data_slice    # the mesh's data slice whose part of the pool `allocator` manages
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
@@ -226,6 +227,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids if penalizes else (),
             suppressed_token_ids=(*(() if p.ignore_eos else request.eos_token_ids), *p.stop_token_ids)
             if suppress else (),
+            data_slice=self.data_slice,
         )
 
     # ---- after the step -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class ScheduledSequence:
     prompt_token_ids: Sequence[int] = ()       # given only when the params penalise repetitions
     output_token_ids: Sequence[int] = ()       # likewise
     suppressed_token_ids: tuple[int, ...] = () # EOS and stop ids, masked while below min_tokens
+    data_slice: int = 0           # which data-parallel slice (and its part of the KV pool) runs it
 
     @property
     def num_tokens(self) -> int:
@@ -34,6 +35,7 @@ class SchedulerOutput:
     sequences: tuple[ScheduledSequence, ...]
     preempted_ids: tuple[str, ...] = ()
     page_copies: tuple[tuple[int, int], ...] = ()   # (source, destination) pages, copied before the step
+                                                    # (global ids: slice * pages_per_slice + page)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ import functools
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.batch import StepInput
 from jaxserve.engine.sampler import Samples, sample
@@ -25,9 +27,11 @@ def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[Sampl
     return sample(logits, batch.sampling), kv_pages
 
 
-def compile_step(graphdef, attention):
-    """`step(params, kv_pages, batch)` jitted with the pool donated: written in place, never copied."""
-    return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,))
+def compile_step(graphdef, attention, mesh: Mesh | None = None):
+    """`step(params, kv_pages, batch)` jitted with the pool donated: written in place, never copied.
+    On a mesh the samples are replicated, so that every process holds all of them."""
+    out_shardings = None if mesh is None else (NamedSharding(mesh, P()), None)
+    return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,), out_shardings=out_shardings)
 
 
 def compile_forward(graphdef, attention):

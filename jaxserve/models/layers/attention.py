@@ -46,7 +46,8 @@ class QueryGroup:
     """The rows of one attention group: whose pages each row of queries reads."""
 
     block_tables: jax.Array  # [G, pages_per_seq] int32: the row's sequence's pages in order; 0 pads
-    num_chunks: jax.Array    # [] int32: context chunks to visit, for the group's longest context
+    num_chunks: jax.Array    # [1] int32: context chunks to visit, for the group's longest context
+                             # ([D] over D data slices: one per slice)
 
 
 @struct.dataclass
@@ -120,7 +121,7 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
     stats_shape = (kv_heads, num_seqs, rep * q_len, 1)
     init = (jnp.full(stats_shape, MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape[:-1] + (head_dim,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, group.num_chunks, visit_chunk, init)
+    _, l, acc = jax.lax.fori_loop(0, group.num_chunks[0], visit_chunk, init)
     out = acc / jnp.maximum(l, 1e-30)  # all-masked (padding) rows stay 0
     out = out.reshape(kv_heads, num_seqs, rep, q_len, head_dim).transpose(1, 3, 0, 2, 4)
     return out.reshape(num_seqs, q_len, heads, head_dim).astype(q.dtype)
@@ -155,14 +156,15 @@ class XlaPagedAttention:
         return jnp.concatenate(outs), kv_pages
 
 
-class ModelParallelAttention:
-    """Runs a backend under `shard_map` over the mesh's `model` axis: each device writes and reads
-    its own KV heads' slice of the pool, for its own query heads. Nothing crosses devices."""
+class MeshAttention:
+    """Runs a backend under `shard_map` over the mesh: each device takes its data slice's tokens
+    and attention rows (`data`) and its own query and KV heads (`model`), and writes and reads its
+    own block of the pool, whose page ids are local to the slice. Nothing crosses devices."""
 
     def __init__(self, backend: AttentionBackend, mesh: Mesh):
-        heads = P(None, "model", None)
-        pool = KVPages(k=P(None, "model"), v=P(None, "model"))
-        self._call = jax.shard_map(backend, mesh=mesh, in_specs=(heads, heads, heads, pool, P(), P()),
+        heads = P("data", "model", None)
+        pool = KVPages(k=P(None, "model", "data"), v=P(None, "model", "data"))
+        self._call = jax.shard_map(backend, mesh=mesh, in_specs=(heads, heads, heads, pool, P(), P("data")),
                                    out_specs=(heads, pool), check_vma=False)
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
