@@ -117,6 +117,7 @@ def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ class EngineConfig:
     max_num_seqs: int = 32                # sequences per step
     max_num_batched_tokens: int = 512     # tokens per step (prefill chunks + decodes)
     prefill_chunk: int = 16               # query tokens per prefill segment in the attention layout
-    attention_backend: str = "xla"
+    attention_backend: str = "auto"       # auto: pallas on TPU and GPU, xla on CPU
     seed: int = 0                         # seeds requests that give no seed of their own
     enable_prefix_caching: bool = True    # reuse the KV pages of earlier requests' common prefixes
     enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
@@ -178,5 +179,5 @@ class EngineConfig:
         _require(data * model % self.num_processes == 0,
                  f"mesh={self.mesh} has {data * model} devices, which do not split evenly over "
                  f"num_processes={self.num_processes}")
-        _require(self.attention_backend in ("xla",),
-                 f"attention_backend={self.attention_backend!r} is not one of ('xla',)")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")

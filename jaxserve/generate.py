@@ -13,7 +13,7 @@ import time
 
 from jaxserve import compile_cache
 from jaxserve.checkpoint.loader import load_model
-from jaxserve.config import EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.progress import progress_bar
@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="HF dir, .gguf file or jaxserve.convert dir "
                                                        "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="xla, pallas (interpreted on CPU), auto: pallas on TPU and GPU, xla on CPU")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
     budget = max(16, -(-len(ids) // 16) * 16)
     max_model_len = min(model.config.max_position_embeddings, len(ids) + args.max_tokens)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
-                                    max_num_batched_tokens=budget, max_model_len=max_model_len),
+                                    max_num_batched_tokens=budget, max_model_len=max_model_len,
+                                    attention_backend=args.attention_backend),
                        model=model, progress=progress_bar("compiling"))
     started = time.perf_counter()
     engine.add_request(ids, params)

@@ -24,7 +24,7 @@ import typing
 import jax
 
 from jaxserve import compile_cache, distributed
-from jaxserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 from jaxserve.sharding import ensure_devices, parse_mesh
@@ -44,7 +44,8 @@ HELP = {
     "max_num_seqs": "sequences per engine step",
     "max_num_batched_tokens": "tokens per engine step",
     "prefill_chunk": "query tokens per prefill segment",
-    "attention_backend": "attention implementation",
+    "attention_backend": "attention kernels: xla (plain jnp), pallas (the Pallas kernels; interpreted, slowly, "
+                         "on CPU), auto: pallas on TPU and GPU, xla on CPU",
     "seed": "seed of requests that give none",
     "enable_prefix_caching": "reuse cached KV pages of common prompt prefixes",
     "enable_chunked_prefill": "prefill long prompts in chunks over several steps, beside running decodes",
@@ -68,7 +69,8 @@ HELP = {
     "compile_cache_dir": "JAX's persistent compilation cache; none: ~/.cache/jaxserve/xla (or under "
                          "$XDG_CACHE_HOME)",
 }
-CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS}
+CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
+           "attention_backend": ATTENTION_BACKENDS}
 
 
 def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:

@@ -1,13 +1,18 @@
-"""The XLA paged attention against dense causal attention, over random ragged batches."""
+"""The paged attention backends (XLA, and the Pallas kernels interpreted) against dense causal
+attention, over random ragged batches."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.checkpoint.loader import load_model
+from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import BatchLayout, Bucket
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from jaxserve.models.layers.attention import KVPages, XlaPagedAttention
+from jaxserve.models.layers.attention import KVPages, PallasPagedAttention, XlaPagedAttention
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -28,11 +33,12 @@ def dense_reference(q, k, v):
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (9, 3)])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_dense_attention(heads, kv_heads, page_size, seed):
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_matches_dense_attention(backend, heads, kv_heads, page_size, seed):
     rng = np.random.default_rng(seed)
     dim, num_pages, segment = 16, 256, 8
     layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64,
-                         vocab_size=8, history_width=8)
+                         vocab_size=8, history_width=8, ragged_rows=backend == "pallas")
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
     k_pool = rng.normal(size=(2, kv_heads, num_pages, page_size, dim)).astype(np.float32)
     v_pool = rng.normal(size=k_pool.shape).astype(np.float32)
@@ -65,7 +71,7 @@ def test_matches_dense_attention(heads, kv_heads, page_size, seed):
         out[order] = np.concatenate(arrays)
         return out
 
-    attention = XlaPagedAttention(layout.pages_per_chunk)
+    attention = XlaPagedAttention(layout.pages_per_chunk) if backend == "xla" else PallasPagedAttention()
     out, pages = jax.jit(attention)(place(new_q, heads), place(new_k, kv_heads), place(new_v, kv_heads),
                                     KVPages(jnp.asarray(k_pool), jnp.asarray(v_pool)), jnp.int32(layer),
                                     batch.attention)
@@ -85,3 +91,52 @@ def _packed_order(batch, output, layout, bucket):
             order.extend(range(next_token, next_token + s.num_tokens))
             next_token += -(-s.num_tokens // layout.segment) * layout.segment
     return np.array(order)
+
+
+def _greedy_logits(runner, prompts: dict[str, list[int]], steps: int) -> dict[str, np.ndarray]:
+    """Every sequence prefilled in one step, then decoded greedily: [steps + 1, vocab] each."""
+    pages = iter(np.random.default_rng(0).permutation(np.arange(1, 64)).tolist())
+    tables = {name: tuple(next(pages) for _ in range(-(-(len(p) + steps) // runner.layout.page_size)))
+              for name, p in prompts.items()}
+    tokens = {name: list(p) for name, p in prompts.items()}
+    rows = {name: [] for name in prompts}
+    for step in range(steps + 1):
+        seqs = tuple(ScheduledSequence(name, tuple(t[-1:] if step else t), len(t) - 1 if step else 0,
+                                       tables[name], True, SamplingParams(temperature=0), 0, 0)
+                     for name, t in tokens.items())
+        for name, logits in runner.logits(SchedulerOutput(seqs)).items():
+            rows[name].append(logits)
+            tokens[name].append(int(np.argmax(logits)))
+    return {name: np.stack(r) for name, r in rows.items()}
+
+
+def test_pallas_backend_gives_the_xla_logits_on_a_tiny_model(tiny_models):
+    directory, _ = tiny_models("llama")
+    model = load_model(str(directory), "float32")
+    rng = np.random.default_rng(1)
+    prompts = {name: rng.integers(0, model.config.vocab_size, n).tolist()
+               for name, n in (("long", 37), ("short", 6), ("one", 1))}
+    logits = {backend: _greedy_logits(Runner(model, 64, 4, 128, 4, 64, 16, kv_chunk_tokens=8,
+                                             attention_backend=backend), prompts, steps=8)
+              for backend in ("xla", "pallas")}
+    for name in prompts:
+        np.testing.assert_allclose(logits["pallas"][name], logits["xla"][name], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_pallas_backend_gives_the_xla_tokens_on_smollm2(smollm2):
+    prompts = ["Tell me about the history of Rome, from its founding to the fall of the Western empire.",
+               "def quicksort(items):\n    " * 6, "Hi!",
+               "List ten animals that live in the ocean, with one sentence about each of them. " * 3]
+    tokens = {}
+    for backend in ("xla", "pallas"):
+        engine = LLMEngine(EngineConfig(attention_backend=backend, num_pages=64, max_num_seqs=4,
+                                        max_num_batched_tokens=128, prefill_chunk=32, max_model_len=256),
+                           model=smollm2)
+        ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        tokens[backend] = [done[i] for i in ids]
+    assert [len(engine.tokenizer.encode(p)) // 16 for p in prompts] != [0] * 4   # prompts cross pages
+    assert tokens["pallas"] == tokens["xla"]

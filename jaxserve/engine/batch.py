@@ -23,7 +23,7 @@ from flax import struct
 
 from jaxserve.engine.sampler import SamplingTensors, sampling_tensors
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from jaxserve.models.layers.attention import AttentionMetadata, QueryGroup
+from jaxserve.models.layers.attention import AttentionMetadata, QueryGroup, RaggedRows
 
 
 @struct.dataclass
@@ -53,6 +53,7 @@ class BatchLayout:
     table_width: int          # block table entries per row, a multiple of pages_per_chunk
     vocab_size: int
     history_width: int        # token history per sampled row (penalties): the context length
+    ragged_rows: bool = False # also describe the tokens as ragged rows (the Pallas backend)
 
     def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
         """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
@@ -95,6 +96,7 @@ class BatchLayout:
         logits_index = np.zeros(gd + gp, np.int32)
         rows: list[ScheduledSequence | None] = [None] * (gd + gp)
         next_prefill_row = gd
+        chunks = []   # (first packed token, tokens, context length, pages) of each sequence
         for s in sequences:
             table = np.asarray(s.block_table, np.int32)
             pos = s.start_position + np.arange(s.num_tokens, dtype=np.int32)
@@ -106,14 +108,16 @@ class BatchLayout:
                 at = gd + prefill.used * seg + prefill.add(s.num_tokens, table, kv_chunks)
                 row = next_prefill_row
                 next_prefill_row += s.samples
+            chunks.append((int(at[0]), s.num_tokens, s.start_position + s.num_tokens, table))
             token_ids[at] = s.token_ids
             positions[at] = pos
             slots[at] = table[pos // ps] * ps + pos % ps
             if s.samples:
                 logits_index[row] = at[-1]
                 rows[row] = s
+        ragged = _ragged_rows(chunks, gd + 2 * gp + 1, self.table_width) if self.ragged_rows else None
         attention = AttentionMetadata(positions=positions, slot_mapping=slots,
-                                      decode=decode.group(), prefill=prefill.group())
+                                      decode=decode.group(), prefill=prefill.group(), ragged=ragged)
         sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width)
         return StepInput(token_ids, attention, logits_index, sampling), rows
 
@@ -137,3 +141,22 @@ class _GroupArrays:
 
     def group(self) -> QueryGroup:
         return QueryGroup(self.block_tables, np.array([self.num_chunks], np.int32))
+
+
+def _ragged_rows(chunks: list[tuple[int, int, int, np.ndarray]], max_rows: int, table_width: int) -> RaggedRows:
+    """One row per chunk, in packed order, with a row of padding (kv_len 0) over each gap before
+    one. At most: Gd decodes, the decode slots' padding, and Gp chunks each after a gap."""
+    block_tables = np.zeros((max_rows, table_width), np.int32)
+    kv_lens = np.zeros(max_rows, np.int32)
+    cu_q_lens = np.zeros(max_rows + 1, np.int32)
+    row = 0
+    for start, num_tokens, kv_len, table in sorted(chunks, key=lambda chunk: chunk[0]):
+        if start > cu_q_lens[row]:
+            cu_q_lens[row + 1] = start
+            row += 1
+        block_tables[row, :len(table)] = table
+        kv_lens[row] = kv_len
+        cu_q_lens[row + 1] = start + num_tokens
+        row += 1
+    cu_q_lens[row + 1:] = cu_q_lens[row]
+    return RaggedRows(block_tables, kv_lens, cu_q_lens, np.array([row], np.int32))

@@ -109,7 +109,8 @@ class LLMEngine:
                             config.priority_max_wait_steps),
             self.allocators)
         self.runner = Runner(self.model, pages, config.page_size, self.max_model_len, config.max_num_seqs,
-                             config.max_num_batched_tokens, config.prefill_chunk, followers=followers)
+                             config.max_num_batched_tokens, config.prefill_chunk,
+                             attention_backend=config.attention_backend, followers=followers)
         self.eos_token_ids = self._eos_token_ids()
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)

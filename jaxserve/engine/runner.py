@@ -27,7 +27,7 @@ from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
-from jaxserve.models.layers.attention import MeshAttention, XlaPagedAttention
+from jaxserve.models.layers.attention import MeshAttention, PallasPagedAttention, XlaPagedAttention
 from jaxserve.sharding import BATCH_SPEC
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,13 @@ def _sizes(limit: int) -> list[int]:
     return [0] + powers + [limit]
 
 
+def resolve_backend(name: str) -> str:
+    """`auto`: the Pallas kernels where they compile (TPU, GPU), plain XLA on CPU."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+    return name
+
+
 class Followers(Protocol):
     """The other processes of a multi-process engine (`jaxserve.distributed.Leader`)."""
 
@@ -51,19 +58,21 @@ class Followers(Protocol):
 class Runner:
     def __init__(self, model, pages_per_slice: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
-                 followers: Followers | None = None):
+                 attention_backend: str = "xla", followers: Followers | None = None):
         self.model = model
         self.followers = followers
+        self.attention_backend = resolve_backend(attention_backend)
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,
-                                  model.config.vocab_size, max_model_len)
+                                  model.config.vocab_size, max_model_len,
+                                  ragged_rows=self.attention_backend == "pallas")
         self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
         self.decode_sizes = _sizes(max_num_seqs)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
         self.kv_pages = kv_pool.allocate(model.config, pages_per_slice, page_size, model.dtype, model.mesh)
-        attention = XlaPagedAttention(pages_per_chunk)
+        attention = PallasPagedAttention() if self.attention_backend == "pallas" else XlaPagedAttention(pages_per_chunk)
         self._batch_sharding = None
         if model.mesh is not None:
             attention = MeshAttention(attention, model.mesh)

@@ -26,6 +26,8 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels.ragged_paged_attention as rpa
+
 MASKED = -1e30  # a finite "minus infinity": exp() of it is 0, and 0 * it is not NaN
 
 
@@ -51,6 +53,19 @@ class QueryGroup:
 
 
 @struct.dataclass
+class RaggedRows:
+    """The same tokens as contiguous rows, as ragged kernels take them: row r's queries are the
+    packed tokens [cu_q_lens[r], cu_q_lens[r + 1]), a sequence's chunk or a run of padding (kv_len
+    0: it sees nothing); tokens past cu_q_lens[num_rows[0]] are padding too. Only the Pallas
+    backend reads them (`pallas_kernels.ragged_paged_attention`)."""
+
+    block_tables: jax.Array  # [R, pages_per_seq] int32
+    kv_lens: jax.Array       # [R] int32: context length, the row's tokens included
+    cu_q_lens: jax.Array     # [R + 1] int32
+    num_rows: jax.Array      # [1] int32
+
+
+@struct.dataclass
 class AttentionMetadata:
     """Where every packed token sits: its position, its KV slot and its attention group."""
 
@@ -58,6 +73,7 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset to write K/V; 0..page_size-1 pads
     decode: QueryGroup       # the first Gd tokens, one row each
     prefill: QueryGroup      # the remaining T - Gd tokens, Gp rows of (T - Gd) / Gp
+    ragged: RaggedRows | None = None   # built when the backend asks for it
 
     def group_sizes(self) -> tuple[int, int]:
         """(Gd, Gp), static: read off the array shapes."""
@@ -154,6 +170,19 @@ class XlaPagedAttention:
                 out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk)
                 outs.append(out.reshape(-1, *q.shape[1:]))
         return jnp.concatenate(outs), kv_pages
+
+
+class PallasPagedAttention:
+    """The Pallas kernels (`pallas_kernels.ragged_paged_attention`): the step's K/V written into the
+    pool in place, then one ragged attention call over all the step's tokens. Interpreted on CPU
+    (slow: for tests), compiled on TPU (Mosaic) and GPU (Triton)."""
+
+    def __call__(self, q, k, v, kv_pages, layer, meta):
+        rows = meta.ragged
+        k_pages, v_pages = rpa.write_kv(kv_pages.k, kv_pages.v, k, v, layer, meta.slot_mapping)
+        out = rpa.ragged_paged_attention(q, k_pages, v_pages, layer, rows.block_tables, rows.kv_lens,
+                                         rows.cu_q_lens, rows.num_rows)
+        return out, KVPages(k=k_pages, v=v_pages)
 
 
 class MeshAttention:

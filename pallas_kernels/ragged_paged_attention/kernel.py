@@ -1,0 +1,76 @@
+"""What the TPU and GPU kernels share: the query-row layout, the mask and the online softmax.
+
+Query rows. The wrappers hand a kernel q as `[kv_heads, rows, head_dim]` with
+`row = token * group + g` (group = heads // kv_heads): each KV head's queries, every token's
+`group` heads side by side. One block of rows then multiplies one KV block with a single 2-D
+matmul whatever the GQA ratio, and a row's token needs no division: `token >= a` exactly when
+`row >= a * group`.
+
+Mask. Row r of sequence s (tokens cu_q_lens[s]:cu_q_lens[s + 1]) sits at position
+`kv_len - q_len + (token - q_start)` and sees key k iff the row belongs to s, `k < kv_len` and
+`k <= position`; the last is `row >= (k + q_len - kv_len + q_start) * group`.
+
+Online softmax. Per row, a running max m, denominator l and accumulator acc (float32). A block
+whose row sees nothing leaves the row untouched; a row that saw nothing ends as 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def to_rows(q: jax.Array, kv_heads: int, num_rows: int) -> jax.Array:
+    """q [T, heads, D] -> [kv_heads, num_rows, D], rows token-major, zero-padded past T * group."""
+    tokens, heads, head_dim = q.shape
+    group = heads // kv_heads
+    rows = q.reshape(tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    rows = rows.reshape(kv_heads, tokens * group, head_dim)
+    return jnp.pad(rows, ((0, 0), (0, num_rows - tokens * group), (0, 0)))
+
+
+def from_rows(rows: jax.Array, num_tokens: int, heads: int) -> jax.Array:
+    """Inverse of `to_rows`: [kv_heads, num_rows, D] -> [T, heads, D]."""
+    kv_heads, _, head_dim = rows.shape
+    group = heads // kv_heads
+    out = rows[:, :num_tokens * group].reshape(kv_heads, num_tokens, group, head_dim)
+    return out.transpose(1, 0, 2, 3).reshape(num_tokens, heads, head_dim)
+
+
+def visible_mask(row, key, *, group, q_start, q_end, kv_len, row_offset_tokens):
+    """bool [rows, keys]: which (row, key) pairs of one sequence attend.
+
+    `row` and `key` are int32 index arrays broadcast to [rows, keys] (row numbering starts at the
+    block's first token `row_offset_tokens`, keys at 0 of the sequence).
+    """
+    q_len = q_end - q_start
+    first = (q_start - row_offset_tokens) * group
+    end = (q_end - row_offset_tokens) * group
+    causal = row >= (key + q_len - kv_len + q_start - row_offset_tokens) * group
+    return (row >= first) & (row < end) & (key < kv_len) & causal
+
+
+def online_softmax_step(q, k, v, valid, key_valid, m, l, acc, *, sm_scale):
+    """One KV block folded into (m [R, 1], l [R, 1], acc [R, D]); returns the new triple.
+
+    q [R, D], k/v [C, D] in their storage dtype; valid [R, C]; key_valid [C, 1] zeroes V rows that
+    hold junk (stale buffers, or the unwritten tail of a page), so 0 * NaN never reaches acc.
+    """
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m - m_safe)
+    v = jnp.where(key_valid, v, jnp.zeros_like(v))
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
+
+
+def finish(l, acc, dtype):
+    """acc / l, and 0 for rows that saw no key."""
+    seen = l > 0
+    return jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(dtype)

@@ -1,0 +1,95 @@
+"""Ragged paged attention in plain `jnp`: the specification the Pallas kernels are tested against.
+
+Inputs (see `ragged_paged_attention` for the full contract):
+  q             [T, heads, head_dim]    queries of every new token, packed by sequence
+  k/v_pages     [layers, kv_heads, num_pages, page_size, head_dim]   the whole pool
+  layer         int32 scalar (or [1])   the layer to read
+  block_tables  [S, pages_per_seq] int32
+  kv_lens       [S] int32               context length, new tokens included
+  cu_q_lens     [S + 1] int32           sequence s owns tokens cu_q_lens[s]:cu_q_lens[s + 1]
+  num_seqs      [1] int32               rows s >= num_seqs[0] are junk
+
+Algorithm: each token finds its sequence, hence its position and how many keys it sees
+(`min(position + 1, kv_len)`, none for padding). A scan over the table's columns, a few pages a
+step, gathers every token's pages straight from the pool (never a whole layer) and folds them
+into an online softmax in float32, so memory is O(tokens x pages per step), not O(tokens x context).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_TOKENS_PER_STEP = 64  # keys gathered per token and scan step
+
+
+def visible_keys(cu_q_lens, kv_lens, num_seqs, num_tokens: int):
+    """(sequence [T], keys visible [T]) per packed token; padding sees 0 keys."""
+    num_rows = kv_lens.shape[0]
+    n = num_seqs.reshape(())
+    # Rows past num_seqs are junk: collapse them onto the batch's end so the starts stay sorted.
+    cu = jnp.where(jnp.arange(num_rows + 1) <= n, cu_q_lens, cu_q_lens[n])
+    token = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu, token, side="right") - 1, 0, num_rows - 1)
+    in_batch = (token >= cu[0]) & (token < cu[n])
+    q_len = cu[seq + 1] - cu[seq]
+    position = kv_lens[seq] - q_len + (token - cu[seq])
+    visible = jnp.where(in_batch, jnp.clip(position + 1, 0, kv_lens[seq]), 0)
+    return seq, visible
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
+                                     num_seqs, *, sm_scale=None, platform=None, tuning=None,
+                                     interpret=None):
+    """out [T, heads, head_dim] in q.dtype; `platform`, `tuning`, `interpret` are ignored."""
+    del platform, tuning, interpret
+    num_tokens, heads, head_dim = q.shape
+    kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
+    group = heads // kv_heads
+    scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+
+    seq, visible = visible_keys(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    pages_per_step = max(1, _TOKENS_PER_STEP // page_size)
+    num_steps = -(-block_tables.shape[1] // pages_per_step)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_steps * pages_per_step - block_tables.shape[1])))
+    token_tables = tables[seq]  # [T, num_steps * pages_per_step]
+    qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * scale
+    keys_per_step = pages_per_step * page_size
+
+    def gather(pool, pages):  # pages [T, n] -> [T, kv_heads, n * page_size, head_dim] float32
+        blocks = pool[layer, :, pages]  # [T, n, kv_heads, page_size, head_dim]
+        blocks = jnp.swapaxes(blocks, 1, 2).reshape(num_tokens, kv_heads, keys_per_step, head_dim)
+        return blocks.astype(jnp.float32)
+
+    def step(carry, i):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(token_tables, i * pages_per_step, pages_per_step, axis=1)
+        key = i * keys_per_step + jnp.arange(keys_per_step)
+        valid = key[None, :] < visible[:, None]  # [T, C]
+        k = gather(k_pages, pages)
+        v = jnp.where(valid[:, None, :, None], gather(v_pages, pages), 0.0)  # junk may be inf/NaN
+        s = jnp.einsum("tkgd,tkcd->tkgc", qf, k, precision=jax.lax.Precision.HIGHEST)
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.einsum("tkgc,tkcd->tkgd", p, v, precision=jax.lax.Precision.HIGHEST)
+        return (m_new, alpha * l + p.sum(axis=-1, keepdims=True), alpha * acc + pv), None
+
+    init = (jnp.full((num_tokens, kv_heads, group, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group, 1), jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(num_steps))
+    out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
+    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+
+
+def write_kv_reference(k_pages, v_pages, k, v, layer, slot_mapping):
+    """The plain scatter: pool[layer, :, page, offset] = new row, for every token."""
+    page_size = k_pages.shape[3]
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    return (k_pages.at[layer, :, pages, offsets].set(k.astype(k_pages.dtype)),
+            v_pages.at[layer, :, pages, offsets].set(v.astype(v_pages.dtype)))

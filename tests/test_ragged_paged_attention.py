@@ -1,0 +1,337 @@
+"""Ragged paged attention: both kernel variants against the jnp reference, the reference against
+dense attention in numpy, write_kv against the jnp scatter, and Mosaic/Triton lowerings by export.
+
+On CPU both variants run interpreted. With JAXSERVE_PALLAS_INTERPRET=0 the variant of the default
+backend runs compiled instead (tools/gpu_check.sh); interpret-only tests then skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import (Tuning, ragged_paged_attention,
+                                                   ragged_paged_attention_reference, tuning_for,
+                                                   write_kv, write_kv_reference)
+from pallas_kernels.ragged_paged_attention.reference import visible_keys
+from pallas_kernels.ragged_paged_attention.tuning import TABLE
+
+COMPILED = os.environ.get("JAXSERVE_PALLAS_INTERPRET", "1") == "0"
+INTERPRET = not COMPILED
+if COMPILED:
+    VARIANTS = [p for p in ("gpu", "tpu") if p == jax.default_backend()] or [
+        pytest.param(None, marks=pytest.mark.skip(reason="compiled mode needs a GPU or TPU backend"))]
+else:
+    VARIANTS = ["tpu", "gpu"]
+interpret_only = pytest.mark.skipif(COMPILED, reason="interpret-mode test (CPU)")
+
+# Blocks smaller than every test shape: many query blocks, KV blocks and head blocks per call.
+SMALL = Tuning(q_block_tokens=16, decode_q_block_tokens=1, kv_block_tokens=16, kv_heads_per_block=1,
+               gpu_block_rows=16, gpu_decode_block_rows=16, write_block_tokens=16)
+JUNK = 3e4
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+    tuning: Tuning | None = None  # None: this device's table entry
+    tokens: int = 160             # packed tokens per call, padding included
+    max_seqs: int = 16            # block-table rows
+    max_q: int = 64
+    max_kv: int = 600
+    context_budget: int = 2400    # KV tokens of all sequences together (sets the pool size)
+    layers: int = 2
+
+    def __str__(self):
+        small = "-small" if self.tuning == SMALL else ""
+        return (f"h{self.heads}kv{self.kv_heads}d{self.head_dim}p{self.page_size}-{self.dtype}{small}"
+                f"-t{self.tokens}")
+
+    @property
+    def pages_per_seq(self):
+        return -(-self.max_kv // self.page_size) + 2
+
+    @property
+    def num_pages(self):
+        return 1 + self.context_budget // self.page_size + self.max_seqs
+
+
+def random_lengths(rng, shape: Shape, num_seqs: int):
+    """(q_lens, kv_lens): decodes and chunks mixed, a few rows with kv_len < q_len."""
+    q_lens = np.where(rng.random(num_seqs) < 0.5, 1, rng.integers(1, shape.max_q + 1, num_seqs))
+    while q_lens.sum() > shape.tokens - 4:
+        q_lens[q_lens.argmax()] //= 2
+    assert q_lens.min() >= 1, f"{shape}: too few tokens for {num_seqs} sequences"
+    per_seq = min(shape.max_kv, shape.context_budget // num_seqs)
+    q_lens = np.minimum(q_lens, per_seq)
+    kv_lens = q_lens + rng.integers(0, per_seq - q_lens + 1)
+    gaps = rng.random(num_seqs) < 0.1
+    kv_lens[gaps] = rng.integers(0, q_lens[gaps])
+    return q_lens, kv_lens
+
+
+def random_batch(rng, shape: Shape, num_seqs: int, pool: np.ndarray):
+    """One call's arguments over `pool` [2, layers, ...]: shuffled pages, junk in page 0, in page
+    tails and in unused table rows."""
+    dtype = jnp.dtype(shape.dtype)
+    k_pages, v_pages = pool.copy()
+    q_lens, kv_lens = random_lengths(rng, shape, num_seqs)
+    rows, width, size = shape.max_seqs, shape.pages_per_seq, shape.page_size
+    tables = np.where(rng.random((rows, width)) < 0.8, 0, rng.integers(0, shape.num_pages, (rows, width)))
+    free = iter(rng.permutation(np.arange(1, shape.num_pages)))
+    for s in range(num_seqs):
+        count = -(-kv_lens[s] // size)
+        tables[s, :count] = [next(free) for _ in range(count)]
+        if kv_lens[s] % size:  # the unwritten tail of the last page
+            for pool_array in (k_pages, v_pages):
+                pool_array[:, :, tables[s, count - 1], kv_lens[s] % size:] = JUNK
+    for pool_array in (k_pages, v_pages):
+        pool_array[:, :, 0] = JUNK
+    cu_q_lens = rng.integers(0, shape.tokens, rows + 1)  # junk past num_seqs
+    cu_q_lens[:num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    all_kv_lens = rng.integers(0, 10 * shape.max_kv, rows)
+    all_kv_lens[:num_seqs] = kv_lens
+    q = rng.standard_normal((shape.tokens, shape.heads, shape.head_dim)).astype(np.float32)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            i32(shape.layers - 1), i32(tables), i32(all_kv_lens), i32(cu_q_lens), i32([num_seqs]))
+
+
+def dense_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs):
+    """float64 numpy, one query at a time over its sequence's whole context, gathered densely."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    tokens, heads, head_dim = q.shape
+    kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
+    out = np.zeros_like(q)
+    for s in range(int(num_seqs[0])):
+        kv_len, start, end = int(kv_lens[s]), int(cu_q_lens[s]), int(cu_q_lens[s + 1])
+        slots = np.arange(kv_len)
+        pages = np.asarray(block_tables)[s, slots // page_size]
+        k = k_pages[int(layer), :, pages, slots % page_size]  # [kv_len, kv_heads, D]
+        v = v_pages[int(layer), :, pages, slots % page_size]
+        for i, t in enumerate(range(start, end)):
+            seen = kv_len - (end - start) + i + 1
+            if seen <= 0:
+                continue
+            for h in range(heads):
+                kh = h // (heads // kv_heads)
+                scores = k[:seen, kh] @ q[t, h] * head_dim ** -0.5
+                weights = np.exp(scores - scores.max())
+                out[t, h] = weights @ v[:seen, kh] / weights.sum()
+    return out
+
+
+def assert_close(out, expected, dtype):
+    tol = 1e-5 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def assert_blind_rows_zero(out, args):
+    """Padding tokens and queries at negative positions: exactly 0."""
+    _, visible = visible_keys(args[6], args[5], args[7], out.shape[0])
+    blind = np.asarray(visible) == 0
+    assert np.all(np.asarray(out, np.float32)[blind] == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def batches(shape: Shape, count: int = 4, seed: int = 0):
+    """`count` (args, reference out) pairs with 1, 16 and random sequence counts; cached per shape."""
+    rng = np.random.default_rng(seed)
+    reference = jax.jit(ragged_paged_attention_reference)
+    pool_shape = (shape.layers, shape.kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
+    pool = rng.standard_normal((2, *pool_shape)).astype(np.float32)
+    result = []
+    for num_seqs in [1, shape.max_seqs] + list(rng.integers(2, shape.max_seqs, count - 2)):
+        args = random_batch(rng, shape, int(num_seqs), pool)
+        result.append((args, reference(*args)))
+    return result
+
+
+def run_kernel(platform, shape: Shape, args):
+    return ragged_paged_attention(*args, platform=platform, tuning=shape.tuning, interpret=INTERPRET)
+
+
+FAST_SHAPES = [
+    Shape(8, 8, 64, 8, "float32"),
+    Shape(8, 2, 128, 16, "bfloat16", SMALL),
+    Shape(9, 3, 64, 16, "float32", SMALL),
+    Shape(9, 3, 128, 32, "bfloat16"),
+    Shape(8, 2, 128, 16, "bfloat16", SMALL, tokens=24),  # decode-like: tokens <= 2 * rows
+]
+SLOW_SHAPES = [
+    Shape(8, 2, 64, 32, "float32", SMALL),
+    Shape(8, 8, 128, 16, "bfloat16"),
+    Shape(9, 3, 64, 8, "bfloat16"),
+    Shape(8, 2, 128, 8, "float32", SMALL),
+    Shape(9, 3, 128, 16, "float32"),
+    Shape(8, 8, 64, 32, "bfloat16", SMALL),
+    Shape(9, 3, 64, 8, "float32", SMALL, tokens=20),
+]
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+@pytest.mark.parametrize(
+    "shape", FAST_SHAPES + [pytest.param(s, marks=pytest.mark.slow) for s in SLOW_SHAPES], ids=str)
+def test_kernel_matches_reference(platform, shape):
+    for args, expected in batches(shape):
+        out = run_kernel(platform, shape, args)
+        assert out.shape == args[0].shape and out.dtype == args[0].dtype
+        assert_close(out, expected, shape.dtype)
+        assert_blind_rows_zero(out, args)
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+def test_junk_in_unused_pages_and_rows_does_not_matter(platform):
+    """NaN instead of finite junk in page 0, page tails and unused table entries: same output."""
+    shape = Shape(9, 3, 64, 16, "float32", SMALL, tokens=48, max_seqs=6, max_kv=200)
+    args, expected = batches(shape, count=2)[1]
+    k_pages, v_pages = (jnp.where(x == JUNK, jnp.nan, x) for x in args[1:3])
+    out = run_kernel(platform, shape, (args[0], k_pages, v_pages, *args[3:]))
+    assert_close(out, expected, shape.dtype)
+    assert not np.isnan(np.asarray(out)).any()
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+def test_layer_is_traced_inside_a_loop_over_layers(platform):
+    shape = Shape(8, 2, 64, 16, "float32", tokens=32, max_seqs=4, max_kv=100, layers=3)
+    q, k_pages, v_pages, _, *metadata = batches(shape, count=2)[1][0]
+    attend = lambda layer, fn, **kw: fn(q, k_pages, v_pages, layer, *metadata, **kw)
+    out = jax.jit(lambda: jax.lax.map(
+        lambda layer: attend(layer, ragged_paged_attention, platform=platform, interpret=INTERPRET),
+        jnp.arange(shape.layers)))()
+    for layer in range(shape.layers):
+        assert_close(out[layer], attend(layer, ragged_paged_attention_reference), shape.dtype)
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+def test_attention_reads_the_layer_in_place(platform):
+    """The compiled call's scratch memory stays far below one layer of the pool."""
+    shape = Shape(8, 2, 64, 16, "float32", tokens=32, max_seqs=4, max_kv=100, layers=4,
+                  context_budget=8000)
+    args = batches(shape, count=2)[0][0]
+    fn = jax.jit(functools.partial(ragged_paged_attention, platform=platform, interpret=INTERPRET))
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < args[1].nbytes / shape.layers / 4
+
+
+@interpret_only
+def test_tpu_dma_schedule_under_the_faithful_interpreter():
+    """TPU semantics simulated: DMAs land only at their wait, fresh VMEM holds NaN, races are
+    reported; a wait placed too late or a slot reused too early shows up here, not in plain
+    interpret mode."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from jax.experimental.pallas import tpu as pltpu
+
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait",
+                                   uninitialized_memory="nan")
+    shape = Shape(8, 2, 64, 16, "float32", SMALL, tokens=40, max_seqs=4, max_kv=120)
+    for args, expected in batches(shape, count=2):
+        out = ragged_paged_attention(*args, platform="tpu", tuning=SMALL, interpret=params)
+        assert_close(out, expected, shape.dtype)
+        assert not interpret_pallas_call.races.races_found
+    slots = jnp.asarray([17, 18, 40, 3, 99], jnp.int32)
+    new = jnp.arange(5 * 2 * 64, dtype=jnp.float32).reshape(5, 2, 64)
+    write_args = (args[1], args[2], new, -new, jnp.int32(1), slots)
+    for got, want in zip(write_kv(*write_args, platform="tpu", interpret=params),
+                         write_kv_reference(*write_args)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@interpret_only
+@pytest.mark.parametrize("shape", [Shape(8, 2, 64, 8, "float32", tokens=40, max_seqs=5, max_kv=90),
+                                   Shape(9, 3, 32, 16, "float32", tokens=48, max_seqs=6, max_kv=70),
+                                   Shape(4, 4, 16, 32, "float32", tokens=24, max_seqs=3, max_kv=120)],
+                         ids=str)
+def test_reference_matches_dense_numpy(shape):
+    for args, expected in batches(shape, count=3):
+        assert_close(expected, dense_attention(*args), "float32")
+
+
+def test_bad_head_counts_are_rejected():
+    shape = Shape(8, 2, 64, 16, "float32", tokens=16, max_seqs=3, max_kv=40)
+    q, *rest = batches(shape, count=2)[0][0]
+    with pytest.raises(ValueError, match="heads=9 must be a multiple of kv_heads=2"):
+        ragged_paged_attention(jnp.zeros((16, 9, 64)), *rest)
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+@pytest.mark.parametrize("kv_heads,head_dim,page_size,dtype",
+                         [(3, 64, 16, "float32"), (8, 128, 8, "bfloat16")])
+def test_write_kv_matches_scatter(platform, kv_heads, head_dim, page_size, dtype):
+    rng = np.random.default_rng(1)
+    layers, num_pages, real, padding = 3, 20, 30, 10
+    pool_shape = (layers, kv_heads, num_pages, page_size, head_dim)
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((real + padding, kv_heads, head_dim)), dtype) for _ in range(2))
+    slots = np.concatenate([rng.permutation(np.arange(page_size, num_pages * page_size))[:real],
+                            rng.integers(0, page_size, padding)])  # padding writes into page 0
+    args = (k_pages, v_pages, k, v, jnp.int32(1), jnp.asarray(slots, jnp.int32))
+    out = write_kv(*args, platform=platform, tuning=SMALL, interpret=INTERPRET)
+    for got, want in zip(out, write_kv_reference(*args)):
+        got, want = np.array(got, np.float32), np.array(want, np.float32)
+        got[1, :, 0], want[1, :, 0] = 0, 0  # page 0: duplicate writes land in any order
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+def test_write_kv_is_in_place_under_donation(platform):
+    pool_shape = (4, 2, 256, 16, 64)
+    k_pages = v_pages = jax.ShapeDtypeStruct(pool_shape, jnp.float32)
+    k = v = jax.ShapeDtypeStruct((8, 2, 64), jnp.float32)
+    fn = jax.jit(functools.partial(write_kv, platform=platform, interpret=INTERPRET), donate_argnums=(0, 1))
+    compiled = fn.lower(k_pages, v_pages, k, v, jnp.int32(0), jax.ShapeDtypeStruct((8,), jnp.int32)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < np.prod(pool_shape) * 4 / 16
+
+
+# --- Lowering for devices we may not have: Mosaic TPU and Triton tiling rules -----------------
+
+MODELS = {  # name: (heads, kv_heads, head_dim, layers, dtype)
+    "smollm2": (9, 3, 64, 30, jnp.float32),
+    "smollm2-mesh4": (12, 4, 64, 30, jnp.float32),
+    "llama3-8b": (32, 8, 128, 32, jnp.bfloat16),
+}
+EXPORT_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}
+
+
+def device_tunings(platform):
+    kinds = [key for key, _ in TABLE if ("TPU" in key) == (platform == "tpu") and key != "cpu"]
+    return sorted({tuning_for(kind) for kind in kinds} | {Tuning()}, key=repr)
+
+
+def export(fn, platform, *args):
+    return jax.export.export(
+        jax.jit(fn), platforms=[EXPORT_PLATFORM[platform]],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+
+
+@interpret_only
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("tokens", [8, 512])
+def test_kernels_lower_for_the_device(platform, model, tokens):
+    heads, kv_heads, head_dim, layers, dtype = MODELS[model]
+    seqs, page_size, num_pages, pages_per_seq = 8, 16, 1024, 128
+    spec = jax.ShapeDtypeStruct
+    pool = spec((layers, kv_heads, num_pages, page_size, head_dim), dtype)
+    i32 = lambda *dims: spec(dims, jnp.int32)
+    attention_args = (spec((tokens, heads, head_dim), dtype), pool, pool, i32(), i32(seqs, pages_per_seq),
+                      i32(seqs), i32(seqs + 1), i32(1))
+    new_kv = spec((tokens, kv_heads, head_dim), dtype)
+    write_args = (pool, pool, new_kv, new_kv, i32(), i32(tokens))
+    for tuning in device_tunings(platform):
+        kw = dict(platform=platform, tuning=tuning, interpret=False)
+        attention = export(functools.partial(ragged_paged_attention, **kw), platform, *attention_args)
+        written = export(functools.partial(write_kv, **kw), platform, *write_args)
+        target = "tpu_custom_call" if platform == "tpu" else "triton"
+        assert target in attention.mlir_module() and target in written.mlir_module()
