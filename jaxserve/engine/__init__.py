@@ -21,7 +21,12 @@
         SampleText.add()       extends each sample's text; stop strings end it
     -> RequestOutput per request that moved
 
-Host-side modules (request, page_allocator, scheduler, scheduler_output) use no JAX; device work
+On a mesh with D data slices, `SlicedScheduler` (data_slices.py) holds one Scheduler and
+PageAllocator per slice, each on its own part of the pool, and places each new request on the
+least-loaded one; the runner lays the slices out side by side. Over several processes, process 0's
+runner sends every device call to the others, which replay it (`jaxserve.distributed`).
+
+Host-side modules (request, page_allocator, scheduler, data_slices, scheduler_output) use no JAX; device work
 is in batch (array layout), step, sampler and the models package. There are no prefill and decode
 phases: every request has `num_computed_tokens`, and a step computes some of what is left.
 """
