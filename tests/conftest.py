@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 
@@ -40,6 +41,14 @@ def compile_cache(tmp_path_factory):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """Drops each module's compiled programs when it ends: one process runs every module."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

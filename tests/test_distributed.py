@@ -19,6 +19,9 @@ from jaxserve.engine.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from server_fixtures import TINY_ENGINE, cli_flags, free_port, wait_until_healthy
 
+# Few step shapes: two processes compile them all, on two cores.
+SMALL_ENGINE = {**TINY_ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
@@ -92,7 +95,7 @@ def test_bad_process_settings_are_named(bad, message):
 
 
 def _serve_command(directory, port: int, coordinator: str, process_id: int, cache: str) -> list[str]:
-    return [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(TINY_ENGINE),
+    return [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
             "--mesh", "2x4", "--coordinator-address", coordinator, "--num-processes", "2",
             "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache]
 
@@ -107,7 +110,7 @@ def _greedy_tokens(url: str, prompt: str) -> list[int]:
 @pytest.mark.slow
 def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(tiny_models, tmp_path):
     directory, _ = tiny_models("llama")
-    engine = LLMEngine(EngineConfig(model=str(directory), **TINY_ENGINE))
+    engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
     expected = {}
     while engine.has_unfinished_requests():
