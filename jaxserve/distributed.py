@@ -63,7 +63,7 @@ class Leader:
     def __init__(self, address: tuple[str, int], num_followers: int, on_lost: Callable[[str], None]):
         self.num_followers = num_followers
         self.on_lost = on_lost
-        self._server = socket.create_server(address, reuse_port=False)
+        self._server = socket.create_server(address)
         self._followers: list[tuple[int, socket.socket]] = []
         self._closing = False
 

@@ -134,18 +134,18 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     from jaxserve.server.app import create_app, start_server
 
     started = time.perf_counter()
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     lost: list[str] = []
-    leader = _leader(engine_config, lambda message: loop.call_soon_threadsafe(lose, message))
-    engine = AsyncEngine(lambda: _build_engine(engine_config, leader))
 
-    def lose(message: str) -> None:
+    def lose(message: str) -> None:   # on the event loop
         log.error("%s: failing every request and exiting", message)
         lost.append(message)
         engine.fail(message)
         stop.set()
 
-    loop = asyncio.get_running_loop()
+    leader = _leader(engine_config, lambda message: loop.call_soon_threadsafe(lose, message))
+    engine = AsyncEngine(lambda: _build_engine(engine_config, leader))
     runner, port = await start_server(create_app(engine, config), config.host, config.port)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
