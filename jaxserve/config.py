@@ -118,6 +118,8 @@ def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4")    # see jaxserve.quantization
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")       # see jaxserve.engine.kv_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,8 @@ class EngineConfig:
 
     model: str | None = None              # HF dir, .gguf file, jaxserve.convert dir; None: embedded SmolLM2
     dtype: str = "auto"                   # auto: float32 on CPU, bfloat16 on TPU/GPU
+    quantization: str = "auto"            # weights: auto (the checkpoint's), none, int8, fp8, int4
+    kv_cache_dtype: str = "auto"          # KV pages: auto (the compute dtype), int8, fp8 (fp8_e4m3)
     max_model_len: int | None = None      # default: the model's context length
     page_size: int = 16                   # tokens per KV page
     kv_cache_gb: float = 1.0              # KV pool size, when num_pages is not given
@@ -146,6 +150,10 @@ class EngineConfig:
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization={self.quantization!r} is not one of {QUANTIZATIONS}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
                  f"page_size={self.page_size} must be a power of two >= 1")
         _require(self.kv_cache_gb > 0, f"kv_cache_gb={self.kv_cache_gb} must be > 0")

@@ -17,27 +17,31 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jaxserve.checkpoint import orbax
-from jaxserve.checkpoint.loader import expected_params, read_checkpoint, resolve_model_path
+from jaxserve.checkpoint.loader import expected_params, read_checkpoint, resolve_model_path, weight_formats
 from jaxserve.checkpoint.weight_maps import map_hf_weights
 from jaxserve.config import ModelConfig
 from jaxserve.models.llama import abstract_model
+from jaxserve.quantization import QUANTIZATIONS, check_quantization
 from jaxserve.tokenizer import load_tokenizer
 
 
-def convert(source: str, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Writes `out_dir`; returns it."""
+def convert(source: str, out_dir: str | Path, dtype: str = "float32", quantization: str = "none") -> Path:
+    """Writes `out_dir`; returns it. `quantization` is `--quantization`: none (float weights),
+    auto (a GGUF's own Q8_0/Q4_0/Q4_1), int8, fp8 or int4 (quantized here)."""
+    check_quantization(quantization)
     path = resolve_model_path(None if source == "default" else source)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output directory {str(out)!r} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    hf_config, tensors = read_checkpoint(path)
+    hf_config, tensors = read_checkpoint(path, native=quantization == "auto")
     config = ModelConfig.from_hf(hf_config)
-    _, abstract = abstract_model(config, jnp.dtype(dtype))
+    formats = weight_formats(quantization, config, tensors)
+    _, abstract = abstract_model(config, jnp.dtype(dtype), formats)
     shapes = {p: s.shape for p, s in expected_params(abstract).items()}
     tensors = tqdm(tensors, desc="converting", unit="tensor", total=_count(tensors))
-    flat = map_hf_weights(tensors, shapes, jnp.dtype(dtype))
-    orbax.save_params(out, flat, dtype)
+    flat = map_hf_weights(tensors, shapes, jnp.dtype(dtype), formats)
+    orbax.save_params(out, flat, dtype, formats)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     load_tokenizer(path).save_pretrained(out)
     return out
@@ -53,9 +57,12 @@ def main(argv=None) -> int:
     parser.add_argument("source", help="a .gguf file, an HF directory, or 'default'")
     parser.add_argument("out", help="the directory to write (must be new or empty)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                        help="none: float weights; auto: a GGUF's own Q8_0/Q4_0/Q4_1; int8, fp8, int4: "
+                             "quantize the linear layers here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    out = convert(args.source, args.out, args.dtype)
+    out = convert(args.source, args.out, args.dtype, args.quantization)
     print(f"wrote {out} in {time.perf_counter() - started:.1f} s; serve it with --model {out}")
     return 0
 

@@ -13,7 +13,7 @@ import time
 
 from jaxserve import compile_cache
 from jaxserve.checkpoint.loader import load_model
-from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.progress import progress_bar
@@ -28,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="HF dir, .gguf file or jaxserve.convert dir "
                                                        "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="weights: auto (the checkpoint's own), none, int8, fp8, int4")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="xla, pallas (interpreted on CPU), auto: pallas on TPU and GPU, xla on CPU")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -57,14 +60,15 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     compile_cache.enable(args.compile_cache_dir)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, quantization=args.quantization)
     ids = prompt_ids(model.tokenizer, args.prompt, args.raw)
     # One sequence: compile only the shapes this prompt and its decode steps use.
     budget = max(16, -(-len(ids) // 16) * 16)
     max_model_len = min(model.config.max_position_embeddings, len(ids) + args.max_tokens)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1,
                                     max_num_batched_tokens=budget, max_model_len=max_model_len,
-                                    attention_backend=args.attention_backend),
+                                    attention_backend=args.attention_backend, quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype),
                        model=model, progress=progress_bar("compiling"))
     started = time.perf_counter()
     engine.add_request(ids, params)

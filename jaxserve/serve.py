@@ -24,7 +24,8 @@ import typing
 import jax
 
 from jaxserve import compile_cache, distributed
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES,
+                             EngineConfig)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 from jaxserve.sharding import ensure_devices, parse_mesh
@@ -36,7 +37,10 @@ FOLLOWER_TIMEOUT_S = 900   # processes wait this long for each other to load and
 HELP = {
     "model": "a .gguf file, an HF directory or a jaxserve.convert directory; none: the embedded "
              "SmolLM2-135M-Instruct",
-    "dtype": "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on TPU/GPU",
+    "dtype": "compute dtype (and float weights' and KV cache's); auto: float32 on CPU, bfloat16 on TPU/GPU",
+    "quantization": "weights: auto (the checkpoint's own: a GGUF's Q8_0/Q4_0/Q4_1 stay quantized), none "
+                    "(dequantised to --dtype), int8 / fp8 (per channel) or int4 (groups of 32), quantized at load",
+    "kv_cache_dtype": "KV cache pages: auto (--dtype), int8 or fp8 (fp8_e4m3), with scales per token and KV head",
     "max_model_len": "context length; none: the model's",
     "page_size": "tokens per KV cache page",
     "kv_cache_gb": "KV cache size in GiB (unless --num-pages is given)",
@@ -70,7 +74,7 @@ HELP = {
                          "$XDG_CACHE_HOME)",
 }
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
-           "attention_backend": ATTENTION_BACKENDS}
+           "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:

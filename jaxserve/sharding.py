@@ -30,19 +30,24 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.quantization import pack_uint4, unpack_uint4
 
 log = logging.getLogger(__name__)
 
 AXES = ("data", "model")
 
 # Parameter path (slash-joined) -> spec. Layer weights carry a leading layer axis. Linear weights
-# are [in, out]: column-parallel ones split `out`, row-parallel ones split `in`.
+# are [in, out]: column-parallel ones split `out`, row-parallel ones split `in`. A quantized
+# weight's parts (`/value`, `/scale`, `/min`) are all [rows or groups, out] and split alike; a
+# quantized LM head is stored [vocab, hidden] (vocab-major), as the embedding always is.
+_PARTS = r"(/(value|scale|min))?"
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
-    (r"embed", P("model", None)),                                     # vocab-split
+    (r"embed" + _PARTS, P("model", None)),                            # vocab-split
+    (r"lm_head/(value|scale|min)", P("model", None)),
     (r"lm_head", P(None, "model")),
-    (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)", P(None, None, "model")),
+    (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)" + _PARTS, P(None, None, "model")),
     (r"layers/(q_bias|k_bias|v_bias|gate_bias|up_bias)", P(None, "model")),
-    (r"layers/(o_proj|down_proj)", P(None, "model", None)),
+    (r"layers/(o_proj|down_proj)" + _PARTS, P(None, "model", None)),
     (r".*", P()),                                                     # norms, output biases
 )
 KV_POOL_SPEC = P(None, "model", "data", None, None)                  # KV heads x pages
@@ -91,8 +96,9 @@ def sharding_for(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding
     spec = list(rule) + [None] * (len(shape) - len(rule))
     for i, axis in enumerate(spec):
         if axis is not None and shape[i] % mesh.shape[axis]:
-            log.warning("%s: dimension %d (%d) does not divide by mesh axis %r (%d); replicated",
-                        path, i, shape[i], axis, mesh.shape[axis])
+            if shape[i] > 1:   # a one-group scale is replicated by design
+                log.warning("%s: dimension %d (%d) does not divide by mesh axis %r (%d); replicated",
+                            path, i, shape[i], axis, mesh.shape[axis])
             spec[i] = None
     return NamedSharding(mesh, P(*spec))
 
@@ -144,15 +150,33 @@ def pad_heads(cfg: ModelConfig, params: dict[tuple[str, ...], np.ndarray],
              layout.new_kv_heads, "KV heads replicated" if layout.replicas > 1 else "zero heads added",
              layout.new_kv_heads / cfg.num_kv_heads)
     hd, out = cfg.head_dim, dict(params)
-    for name in ("q_proj", "q_bias"):
-        if ("layers", name) in params:
-            out[("layers", name)] = _query_heads(params[("layers", name)], layout, hd)
-    for name in ("k_proj", "v_proj", "k_bias", "v_bias"):
-        if ("layers", name) in params:
-            out[("layers", name)] = _kv_heads(params[("layers", name)], layout, hd)
-    o_proj = params[("layers", "o_proj")]                        # [L, heads * hd, d]: heads on axis 1
-    out[("layers", "o_proj")] = np.swapaxes(_query_heads(np.swapaxes(o_proj, 1, 2), layout, hd), 1, 2)
+    # Heads lie on the last (out) axis of q/k/v and of their quantized parts.
+    for path, w in params.items():
+        if path[:2] in (("layers", "q_proj"), ("layers", "q_bias")):
+            out[path] = _query_heads(w, layout, hd)
+        elif path[:2] in (("layers", n) for n in ("k_proj", "v_proj", "k_bias", "v_bias")):
+            out[path] = _kv_heads(w, layout, hd)
+    # o_proj's heads lie on its rows (axis 1): [L, heads * hd, d], and [L, groups, d] for scales;
+    # only added zero heads change them (replicating KV heads leaves the query heads in order).
+    for path, w in params.items():
+        if path[:2] != ("layers", "o_proj") or w.shape[1] == 1 or layout.pad_kv == 0:
+            continue
+        packed = path[2:] == ("value",) and w.shape[1] * 2 == cfg.num_heads * hd
+        rows = unpack_uint4(w) if packed else w
+        if rows.shape[1] % cfg.num_heads:
+            raise ValueError(f"{'/'.join(path)}: {rows.shape[1]} rows do not split by head ({cfg.num_heads} "
+                             f"heads): a quantization group spans heads, so heads cannot be rearranged for "
+                             f"a {model_size}-way model axis; use --quantization none or a mesh M that "
+                             f"divides {cfg.num_kv_heads}")
+        per_head = rows.shape[1] // cfg.num_heads
+        rows = np.swapaxes(_query_heads(np.swapaxes(rows, 1, 2), layout, per_head), 1, 2)
+        out[path] = pack_uint4_stack(rows) if packed else rows
     return dataclasses.replace(cfg, num_heads=layout.new_heads, num_kv_heads=layout.new_kv_heads), out
+
+
+def pack_uint4_stack(q: np.ndarray) -> np.ndarray:
+    """`pack_uint4` over a stack [L, in, out]."""
+    return np.stack([pack_uint4(layer) for layer in q])
 
 
 def _query_heads(w: np.ndarray, layout: HeadLayout, hd: int) -> np.ndarray:

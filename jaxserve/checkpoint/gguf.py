@@ -1,4 +1,8 @@
-"""Read llama.cpp GGUF files: an HF-style config, float32 weights under HF names, and the tokenizer."""
+"""Read llama.cpp GGUF files: an HF-style config, weights under HF names, and the tokenizer.
+
+Q8_0, Q4_0 and Q4_1 tensors can stay quantized (`native=True`): their blocks of 32 become a
+`QuantizedTensor` without a float copy. Every other type is dequantised to float32.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,15 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import pre_tokenizers
 
+from jaxserve.models.layers.linear import WeightFormat
+from jaxserve.quantization import QuantizedTensor
+
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+NATIVE_FORMATS = {
+    "Q8_0": WeightFormat("int8", 32, "float16", "Q8_0"),
+    "Q4_0": WeightFormat("uint4", 32, "float16", "Q4_0"),
+    "Q4_1": WeightFormat("uint4", 32, "float16", "Q4_1"),
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -36,14 +48,16 @@ _VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml
 
 @dataclasses.dataclass(frozen=True)
 class GGUFCheckpoint:
-    """A GGUF model as an HF `config.json` dict and float32 tensors under HF names and layouts."""
+    """A GGUF model as an HF `config.json` dict and tensors under HF names and layouts (float32,
+    or `QuantizedTensor`s for the native types)."""
 
     config: dict
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray | QuantizedTensor]
 
 
-def load_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Read a llama-architecture GGUF file, dequantising every tensor to float32."""
+def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
+    """Read a llama-architecture GGUF file. Every tensor is dequantised to float32, except with
+    `native` the 2-D tensors of a type in `NATIVE_FORMATS`, which stay quantized."""
     reader = GGUFReader(path)
     fields = _fields(reader)
     arch = fields.get("general.architecture")
@@ -53,7 +67,12 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     tensors = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        tensors[name] = _unpermute(name, _dequantize(tensor), config)
+        qtype = GGMLQuantizationType(tensor.tensor_type).name
+        if native and qtype in NATIVE_FORMATS and len(tensor.shape) == 2:
+            weight = _blocks(tensor, NATIVE_FORMATS[qtype])
+            tensors[name] = weight.map_rows(lambda rows: _unpermute(name, rows, config))
+        else:
+            tensors[name] = _unpermute(name, _dequantize(tensor), config)
     return GGUFCheckpoint(config=config, tensors=tensors)
 
 
@@ -170,6 +189,30 @@ def _dequantize(tensor) -> np.ndarray:
         )
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return np.asarray(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+
+
+def _blocks(tensor, fmt: WeightFormat) -> QuantizedTensor:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's blocks of 32 along each row, without dequantising.
+
+    Q8_0 is (f16 d, 32 x int8 q): w = q * d. Q4_0 is (f16 d, 16 bytes): w = (q - 8) * d. Q4_1 is
+    (f16 d, f16 m, 16 bytes): w = q * d + m. A 4-bit block's byte j holds element j in its low
+    nibble and element j + 16 in its high one.
+    """
+    rows = int(tensor.shape[1])
+    data = np.asarray(tensor.data, np.uint8).reshape(rows, -1)
+    header = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}[fmt.name]
+    block_bytes = header + (32 if fmt.name == "Q8_0" else 16)
+    blocks = data.reshape(rows, -1, block_bytes)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
+    body = blocks[..., header:]
+    if fmt.name == "Q8_0":
+        return QuantizedTensor(fmt, body.copy().view(np.int8).reshape(rows, -1), scale)
+    q = np.concatenate([body & 0xF, body >> 4], axis=-1).reshape(rows, -1)
+    if fmt.name == "Q4_1":
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    else:
+        minimum = (scale * np.float16(-8)).astype(np.float16)
+    return QuantizedTensor(fmt, q, scale, minimum)
 
 
 def _unpermute(name: str, weight: np.ndarray, config: dict) -> np.ndarray:

@@ -19,9 +19,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.checkpoint import orbax
 from jaxserve.checkpoint.default_model import default_model_path
-from jaxserve.checkpoint.weight_maps import map_hf_weights
+from jaxserve.checkpoint.weight_maps import checkpoint_formats, map_hf_weights
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import abstract_model
+from jaxserve.models.layers.linear import WeightFormat
+from jaxserve.models.llama import abstract_model, linear_shapes
+from jaxserve.quantization import AT_LOAD, check_quantization
 from jaxserve.sharding import head_layout, pad_heads, sharding_for
 from jaxserve.tokenizer import load_tokenizer
 
@@ -38,6 +40,12 @@ class LoadedModel:
     path: Path
     dtype: Any
     mesh: Mesh | None = None  # where params live, split by jaxserve.sharding's rules; None: one device
+    formats: dict[str, WeightFormat] = dataclasses.field(default_factory=dict)  # quantized weights
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights on the devices (one copy; replicas over `data` not counted)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
 
 
 def resolve_dtype(name: str):
@@ -55,12 +63,13 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, Any], Any]:
-    """(HF config dict, iterator of (HF name, numpy tensor)) for a GGUF file or an HF directory."""
+def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], Any]:
+    """(HF config dict, iterator of (HF name, numpy tensor or QuantizedTensor)) for a GGUF file or
+    an HF directory. With `native`, quantized tensors the engine computes with stay quantized."""
     if path.suffix == ".gguf":
         from jaxserve.checkpoint.gguf import load_gguf
 
-        checkpoint = load_gguf(path)
+        checkpoint = load_gguf(path, native=native)
         return checkpoint.config, list(checkpoint.tensors.items())
     from jaxserve.checkpoint.hf import iter_safetensors, read_hf_config
 
@@ -77,9 +86,43 @@ def with_values(state: nnx.State, values: dict[tuple[str, ...], Any]) -> nnx.Sta
                                 for path, var in nnx.to_flat_state(state)])
 
 
-def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
+def check_quantization_config(hf_config: dict) -> None:
+    """Refuses a checkpoint whose weights are stored in a quantized format we do not read: loading
+    its packed tensors as floats would be silently wrong."""
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which jaxserve does "
+                         f"not read; give a float checkpoint (then --quantization int8, fp8 or int4 quantizes "
+                         f"it at load) or a GGUF file")
+
+
+def weight_formats(quantization: str, config: ModelConfig, tensors) -> dict[str, WeightFormat]:
+    """Which weights are quantized, and how: path -> format (see `jaxserve.quantization`)."""
+    check_quantization(quantization)
+    shapes = linear_shapes(config)
+    if quantization in AT_LOAD:
+        formats = {p: AT_LOAD[quantization] for p in shapes if p.startswith("layers/")}
+        for p, fmt in formats.items():
+            fmt.check(p, shapes[p][0])
+        return formats
+    if quantization == "none":
+        return {}
+    formats = {}
+    for p, fmt in checkpoint_formats(tensors).items():
+        try:
+            fmt.check(p, shapes[p][0])
+            formats[p] = fmt
+        except ValueError as error:
+            log.info("%s; dequantised at load", error)
+    return formats
+
+
+def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = None,
+               quantization: str = "auto") -> LoadedModel:
     """Loads config, weights and tokenizer. Weights go to the default device, or with a mesh shard
-    by shard onto it (heads rearranged first if they do not split over its `model` axis)."""
+    by shard onto it (heads rearranged first if they do not split over its `model` axis).
+    `quantization` is `--quantization` (see `jaxserve.quantization`)."""
+    check_quantization(quantization)
     path = resolve_model_path(model)
     dtype = resolve_dtype(dtype_name)
     if orbax.is_converted(path):
@@ -87,39 +130,53 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
 
         hf_config = read_hf_config(path)
         config = ModelConfig.from_hf(hf_config)
-        graphdef, abstract = abstract_model(config, dtype)
+        formats = orbax.read_formats(path)
+        if quantization not in ("auto", orbax.quantization_of(formats)):
+            raise ValueError(f"{path} was converted with quantization={orbax.quantization_of(formats)!r}; "
+                             f"it loads with quantization='auto' or that, not {quantization!r}")
+        graphdef, abstract = abstract_model(config, dtype, formats)
         expected = expected_params(abstract)
         if mesh is not None and not needs_rearranging(config, mesh):
             expected = {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_for(mesh, "/".join(p), s.shape))
                         for p, s in expected.items()}   # restored straight into the shards
         values = orbax.restore_params(path, expected)
     else:
-        hf_config, tensors = read_checkpoint(path)
+        hf_config, tensors = read_checkpoint(path, native=quantization == "auto")
+        check_quantization_config(hf_config)
         config = ModelConfig.from_hf(hf_config)
-        graphdef, abstract = abstract_model(config, dtype)
+        formats = weight_formats(quantization, config, tensors)
+        graphdef, abstract = abstract_model(config, dtype, formats)
         shapes = {p: s.shape for p, s in expected_params(abstract).items()}
-        values = map_hf_weights(tensors, shapes, dtype)   # host arrays
+        values = map_hf_weights(tensors, shapes, dtype, formats)   # host arrays
     if mesh is not None:
-        config, graphdef, abstract, values = _onto_mesh(config, dtype, values, mesh)
+        config, graphdef, abstract, values = _onto_mesh(config, dtype, formats, values, mesh)
     else:
-        values = {p: jnp.asarray(v, dtype) for p, v in values.items()}
+        values = {p: jnp.asarray(v) for p, v in values.items()}
     params = with_values(abstract, values)
-    log.info("loaded %s: %d layers, %.1fM parameters, %s", path, config.num_layers,
-             sum(x.size for x in jax.tree.leaves(params)) / 1e6, jnp.dtype(dtype).name)
-    return LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path), path, dtype, mesh)
+    loaded = LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path), path, dtype, mesh, formats)
+    log.info("loaded %s: %d layers, %s, %s; %.1f MiB of weights on the device", path, config.num_layers,
+             jnp.dtype(dtype).name, _describe(formats), loaded.weight_bytes / 2**20)
+    return loaded
+
+
+def _describe(formats: dict[str, WeightFormat]) -> str:
+    if not formats:
+        return "no quantized weights"
+    names = sorted({f.name for f in formats.values()})
+    return f"{len(formats)} quantized weights ({', '.join(names)})"
 
 
 def needs_rearranging(config: ModelConfig, mesh: Mesh) -> bool:
     return not head_layout(config, mesh.shape["model"]).unchanged
 
 
-def _onto_mesh(config: ModelConfig, dtype, values: dict, mesh: Mesh):
+def _onto_mesh(config: ModelConfig, dtype, formats: dict[str, WeightFormat], values: dict, mesh: Mesh):
     """Rearranges heads for the mesh and places every weight shard by shard."""
     if needs_rearranging(config, mesh):
         host = {p: np.asarray(v) for p, v in values.items()}
         config, values = pad_heads(config, host, mesh.shape["model"])
-    graphdef, abstract = abstract_model(config, dtype)
+    graphdef, abstract = abstract_model(config, dtype, formats)
     placed = {p: v if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding)  # orbax put it there
-              else jax.device_put(np.asarray(v, dtype), sharding_for(mesh, "/".join(p), v.shape))
+              else jax.device_put(np.asarray(v), sharding_for(mesh, "/".join(p), v.shape))
               for p, v in values.items()}
     return config, graphdef, abstract, placed

@@ -3,6 +3,10 @@
 Every family we run uses Llama's names, so one table serves them all; a parameter the model does
 not have (say `q_bias` on Llama) is simply never asked for. HF stores linear weights `[out, in]`;
 we store `[in, out]`. Per-layer tensors are stacked on a leading layer axis.
+
+A weight with a `WeightFormat` is stored as its parts (`layers/q_proj/value`, `.../scale`, ...):
+a checkpoint tensor already in that format is taken as it is, a float one is quantized, and a
+quantized tensor meant to be float is dequantised.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import re
 from collections.abc import Callable, Iterable
 
 import numpy as np
+
+from jaxserve.models.layers.linear import WeightFormat
+from jaxserve.quantization import QuantizedTensor, quantize
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -54,37 +61,71 @@ LLAMA_WEIGHT_MAP: tuple[tuple[str, tuple[str, ...], Transform], ...] = (
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def map_hf_weights(tensors: Iterable[tuple[str, np.ndarray]], expected: dict[tuple[str, ...], tuple],
-                   dtype) -> dict[tuple[str, ...], np.ndarray]:
-    """Arranges HF tensors into our parameter paths, as host arrays of `dtype`.
+def _table():
+    return [(re.compile(pattern + "$"), path, transform) for pattern, path, transform in LLAMA_WEIGHT_MAP]
+
+
+def _find(table, name: str):
+    return next(((m, path, t) for rx, path, t in table if (m := rx.match(name))), None)
+
+
+def checkpoint_formats(tensors: Iterable[tuple[str, object]]) -> dict[str, WeightFormat]:
+    """Our weight path -> the format its checkpoint tensors share, for the weights whose every
+    tensor (every layer's) is quantized in one format."""
+    table, seen = _table(), {}
+    for name, tensor in tensors:
+        match = _find(table, name)
+        if match is not None:
+            seen.setdefault("/".join(match[1]), set()).add(getattr(tensor, "fmt", None))
+    return {path: fmts.pop() for path, fmts in seen.items() if len(fmts) == 1 and None not in fmts}
+
+
+def map_hf_weights(tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]], expected: dict[tuple[str, ...], tuple],
+                   dtype, formats: dict[str, WeightFormat] | None = None) -> dict[tuple[str, ...], np.ndarray]:
+    """Arranges HF tensors into our parameter paths, as host arrays: float ones of `dtype`, and
+    the parts of every weight `formats` names (path -> format) in that format.
 
     `expected` maps each of our paths to its shape (stacked ones include the layer axis). Raises
     ValueError naming missing, unexpected or mis-shaped tensors.
     """
-    table = [(re.compile(pattern + "$"), path, transform) for pattern, path, transform in LLAMA_WEIGHT_MAP]
+    table, formats = _table(), formats or {}
     out: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], set[int]] = {}
     for name, tensor in tensors:
-        match = next(((m, path, t) for rx, path, t in table if (m := rx.match(name))), None)
-        if match is None or match[1] not in expected:
-            if _IGNORED.match(name) or (match and match[1] == ("lm_head",)):
+        match = _find(table, name)
+        base = match and match[1]
+        if match is None or not (base in expected or base + ("value",) in expected):
+            if _IGNORED.match(name) or (match and base == ("lm_head",)):
                 continue  # a tied model may still ship lm_head.weight
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         m, path, transform = match
-        value = transform(np.asarray(tensor))
-        shape = expected[path]
-        if m.groups():
-            layer = int(m.group(1))
-            _check_shape(name, value.shape, shape[1:])
-            if path not in out:
-                out[path] = np.empty(shape, dtype)
-            out[path][layer] = value
-            filled.setdefault(path, set()).add(layer)
-        else:
-            _check_shape(name, value.shape, shape)
-            out[path] = value.astype(dtype)
+        layer = int(m.group(1)) if m.groups() else None
+        fmt = formats.get("/".join(path))
+        if isinstance(tensor, QuantizedTensor) and tensor.fmt != fmt:
+            tensor = tensor.dequantized()
+        if fmt is None:
+            _put(out, filled, expected, name, path, layer, transform(np.asarray(tensor)).astype(dtype))
+            continue
+        if not isinstance(tensor, QuantizedTensor):
+            tensor = quantize(tensor, fmt)
+        for part, value in tensor.ours(vocab_major=path in (("embed",), ("lm_head",))).items():
+            _put(out, filled, expected, name, path + (part,), layer, value)
     _check_complete(out, filled, expected)
     return out
+
+
+def _put(out, filled, expected, name: str, path: tuple[str, ...], layer: int | None, value: np.ndarray) -> None:
+    """Stores one tensor, or one layer's slice of a stacked one."""
+    shape = expected[path]
+    if layer is None:
+        _check_shape(name, value.shape, shape)
+        out[path] = value
+        return
+    _check_shape(name, value.shape, shape[1:])
+    if path not in out:
+        out[path] = np.empty(shape, value.dtype)
+    out[path][layer] = value
+    filled.setdefault(path, set()).add(layer)
 
 
 def _check_shape(name: str, got: tuple, want: tuple) -> None:

@@ -96,11 +96,13 @@ class LLMEngine:
                  progress: Callable[[int, int], None] | None = None, followers: Followers | None = None):
         self.config = config
         keep_freed_memory()  # XLA's step buffers stay mapped between steps (see host_memory)
-        self.model = model or load_model(config.model, config.dtype, mesh_from_config(config.mesh))
+        self.model = model or load_model(config.model, config.dtype, mesh_from_config(config.mesh),
+                                           config.quantization)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()
         num_slices = kv_pool.num_data_slices(self.model.mesh)
-        pages = kv_pool.num_pages(config, self.model.config, self.model.dtype, self.max_model_len, num_slices)
+        kv_dtype = kv_pool.resolve_kv_dtype(config.kv_cache_dtype, self.model.dtype)
+        pages = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices)
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
                            for _ in range(num_slices)]
         self.scheduler = SlicedScheduler(
@@ -110,14 +112,15 @@ class LLMEngine:
             self.allocators)
         self.runner = Runner(self.model, pages, config.page_size, self.max_model_len, config.max_num_seqs,
                              config.max_num_batched_tokens, config.prefill_chunk,
-                             attention_backend=config.attention_backend, followers=followers)
+                             attention_backend=config.attention_backend, followers=followers,
+                             kv_cache_dtype=config.kv_cache_dtype)
         self.eos_token_ids = self._eos_token_ids()
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
-        log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB)", num_slices, pages - 1,
+        log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s)", num_slices, pages - 1,
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
-                 * kv_pool.bytes_per_page(self.model.config, config.page_size, self.model.dtype) / 2**30)
+                 * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name)
         started = time.perf_counter()
         self.runner.warm_up(progress)
         log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets), time.perf_counter() - started)

@@ -1,4 +1,9 @@
-"""Sizing and allocating the device KV pool (layout: `jaxserve.models.layers.attention.KVPages`)."""
+"""Sizing and allocating the device KV pool (layout: `jaxserve.models.layers.attention.KVPages`).
+
+`--kv-cache-dtype`: auto (the compute dtype), fp8 / fp8_e4m3 (float8_e4m3fn, one scale of 1: half
+the bytes of float16), int8 (a float32 scale per token and KV head: (head_dim + 4) / head_dim
+bytes per value, 1.88x float16's tokens at head_dim 64).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,28 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.layers.attention import KVPages
 from jaxserve.sharding import KV_POOL_SPEC
 
 
+def resolve_kv_dtype(name: str, compute_dtype):
+    """The pool's dtype for `--kv-cache-dtype`."""
+    return {"auto": jnp.dtype(compute_dtype), "int8": jnp.dtype(jnp.int8),
+            "fp8": jnp.dtype(jnp.float8_e4m3fn), "fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn)}[name]
+
+
+def is_scaled(dtype) -> bool:
+    """int8 pages carry a scale per token and KV head."""
+    return jnp.dtype(dtype) == jnp.int8
+
+
 def bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:
-    """K and V of `page_size` tokens in every layer."""
-    return 2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+    """K and V of `page_size` tokens in every layer, their scales included."""
+    per_value = model.head_dim * jnp.dtype(dtype).itemsize + (4 if is_scaled(dtype) else 0)
+    return 2 * model.num_layers * page_size * model.num_kv_heads * per_value
 
 
 def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: int, num_slices: int = 1) -> int:
@@ -49,8 +67,14 @@ def allocate(model: ModelConfig, pages_per_slice: int, page_size: int, dtype, me
     on its devices and KV heads split over `model`."""
     pages = pages_per_slice * num_data_slices(mesh)
     shape = (model.num_layers, model.num_kv_heads, pages, page_size, model.head_dim)
-    if mesh is None:
-        return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-    sharding = NamedSharding(mesh, KV_POOL_SPEC)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVPages(k=zeros(), v=zeros())
+
+    def zeros(shape, dtype):
+        if mesh is None:
+            return jnp.zeros(shape, dtype)
+        spec = P(*KV_POOL_SPEC[:len(shape)])
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
+
+    scales = {}
+    if is_scaled(dtype):
+        scales = dict(k_scale=zeros(shape[:-1], jnp.float32), v_scale=zeros(shape[:-1], jnp.float32))
+    return KVPages(k=zeros(shape, dtype), v=zeros(shape, dtype), **scales)

@@ -15,7 +15,7 @@ import bisect
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import jax
@@ -24,10 +24,11 @@ from jax.sharding import NamedSharding
 
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
-from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
 from jaxserve.models.layers.attention import MeshAttention, PallasPagedAttention, XlaPagedAttention
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding import BATCH_SPEC
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,14 @@ class Followers(Protocol):
 class Runner:
     def __init__(self, model, pages_per_slice: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
-                 attention_backend: str = "xla", followers: Followers | None = None):
+                 attention_backend: str = "xla", followers: Followers | None = None, kv_cache_dtype: str = "auto"):
         self.model = model
         self.followers = followers
         self.attention_backend = resolve_backend(attention_backend)
+        self.kv_dtype = kv_pool.resolve_kv_dtype(kv_cache_dtype, model.dtype)
+        if self.attention_backend == "pallas" and self.kv_dtype != model.dtype:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs attention_backend 'xla': the Pallas "
+                             f"kernels read KV pages of the compute dtype only ({jax.numpy.dtype(model.dtype).name})")
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,
@@ -71,11 +76,11 @@ class Runner:
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
         self.decode_sizes = _sizes(max_num_seqs)
         self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
-        self.kv_pages = kv_pool.allocate(model.config, pages_per_slice, page_size, model.dtype, model.mesh)
+        self.kv_pages = kv_pool.allocate(model.config, pages_per_slice, page_size, self.kv_dtype, model.mesh)
         attention = PallasPagedAttention() if self.attention_backend == "pallas" else XlaPagedAttention(pages_per_chunk)
         self._batch_sharding = None
         if model.mesh is not None:
-            attention = MeshAttention(attention, model.mesh)
+            attention = MeshAttention(attention, model.mesh, scaled=kv_pool.is_scaled(self.kv_dtype))
             self._batch_sharding = NamedSharding(model.mesh, BATCH_SPEC)
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
@@ -156,6 +161,23 @@ class Runner:
         logits = np.asarray(logits)
         return {seq.request_id: logits[i] for i, seq in enumerate(rows) if seq}
 
+    def prompt_logits(self, token_ids: list[int], chunk: int) -> Iterator[np.ndarray]:
+        """Teacher-forced logits of a whole text, `chunk` tokens a step through pages 1, 2, ... of
+        the pool (which must hold it): yields [tokens of the chunk, vocab] float32 per step; row i
+        predicts token i + 1. For accuracy and perplexity measurements."""
+        pages = -(-len(token_ids) // self.layout.page_size)
+        table = tuple(range(1, pages + 1))
+        for start in range(0, len(token_ids), chunk):
+            part = tuple(token_ids[start:start + chunk])
+            seq = ScheduledSequence("text", part, start, table, True, SamplingParams(temperature=0), 0, 0)
+            output = SchedulerOutput((seq,))
+            bucket = self.bucket_for(output)
+            batch, _ = self.layout.build(output, bucket, self.num_slices)
+            first = bucket.num_decode if len(part) > 1 else 0   # a 1-token chunk is a decode row
+            batch = batch.replace(logits_index=np.arange(first, first + len(part), dtype=np.int32))
+            logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self._place(batch))
+            yield np.asarray(logits)
+
     def pool_is_lost(self) -> bool:
         """True when a failed step consumed the donated pool."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages))
@@ -164,4 +186,4 @@ class Runner:
         self._tell_followers("reset")
         k = self.kv_pages.k
         self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2] // self.num_slices, k.shape[3],
-                                         self.model.dtype, self.model.mesh)
+                                         self.kv_dtype, self.model.mesh)

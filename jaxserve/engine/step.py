@@ -40,9 +40,9 @@ def compile_forward(graphdef, attention):
 
 
 def copy_pages(kv_pages: KVPages, source: jax.Array, destination: jax.Array) -> KVPages:
-    """Copies whole pages (copy on write): every source is read before any destination is written."""
-    return KVPages(k=kv_pages.k.at[:, :, destination].set(kv_pages.k[:, :, source]),
-                   v=kv_pages.v.at[:, :, destination].set(kv_pages.v[:, :, source]))
+    """Copies whole pages, scales included (copy on write): every source is read before any
+    destination is written."""
+    return jax.tree.map(lambda pool: pool.at[:, :, destination].set(pool[:, :, source]), kv_pages)
 
 
 def compile_copy_pages():

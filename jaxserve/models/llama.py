@@ -3,7 +3,8 @@
 All layers' weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so a
 program compiles in about the time of one layer whatever the depth. Weights are created abstractly
 (`nnx.eval_shape`) and filled from a checkpoint; nothing here initialises random weights.
-Linear weights are stored `[in, out]`.
+Linear weights are stored `[in, out]`, as float arrays or as quantized weights
+(`jaxserve.models.layers.linear`), chosen per weight by `formats`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
+from jaxserve.models.layers.linear import QuantizedWeight, WeightFormat, Weight, embed_lookup, lm_head, matmul
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rope import apply_rope, inverse_frequencies
 
@@ -26,17 +28,40 @@ def _maybe(flag: bool, shape: tuple[int, ...], dtype) -> nnx.Param | None:
     return _param(shape, dtype) if flag else None
 
 
+VOCAB_MAJOR = ("embed", "lm_head")   # stored [vocab, hidden] when quantized (see linear.py)
+
+
+# Weights that may be quantized: parameter path -> its [in, out] shape.
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    d, q_dim, kv_dim, ffn = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                             cfg.intermediate_size)
+    shapes = {"layers/q_proj": (d, q_dim), "layers/k_proj": (d, kv_dim), "layers/v_proj": (d, kv_dim),
+              "layers/o_proj": (q_dim, d), "layers/gate_proj": (d, ffn), "layers/up_proj": (d, ffn),
+              "layers/down_proj": (ffn, d), "embed": (d, cfg.vocab_size)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def _weight(path: str, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]) -> Weight:
+    """A float `[in, out]` parameter, or a quantized weight when `formats` names `path`."""
+    in_features, out_features = linear_shapes(cfg)[path]
+    if path in formats:
+        return QuantizedWeight(formats[path], in_features, out_features, vocab_major=path in VOCAB_MAJOR)
+    return _param((out_features, in_features) if path == "embed" else (in_features, out_features), dtype)
+
+
 class DecoderLayer(nnx.Module):
     """One pre-norm block: attention over the paged KV pool, then a SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]):
         d, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.cfg = cfg
         self.input_norm = _param((d,), dtype)
-        self.q_proj = _param((d, q_dim), dtype)
-        self.k_proj = _param((d, kv_dim), dtype)
-        self.v_proj = _param((d, kv_dim), dtype)
-        self.o_proj = _param((q_dim, d), dtype)
+        self.q_proj = _weight("layers/q_proj", cfg, dtype, formats)
+        self.k_proj = _weight("layers/k_proj", cfg, dtype, formats)
+        self.v_proj = _weight("layers/v_proj", cfg, dtype, formats)
+        self.o_proj = _weight("layers/o_proj", cfg, dtype, formats)
         self.q_bias = _maybe(cfg.qkv_bias, (q_dim,), dtype)
         self.k_bias = _maybe(cfg.qkv_bias, (kv_dim,), dtype)
         self.v_bias = _maybe(cfg.qkv_bias, (kv_dim,), dtype)
@@ -44,9 +69,9 @@ class DecoderLayer(nnx.Module):
         self.q_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
         self.k_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
         self.post_attention_norm = _param((d,), dtype)
-        self.gate_proj = _param((d, cfg.intermediate_size), dtype)
-        self.up_proj = _param((d, cfg.intermediate_size), dtype)
-        self.down_proj = _param((cfg.intermediate_size, d), dtype)
+        self.gate_proj = _weight("layers/gate_proj", cfg, dtype, formats)
+        self.up_proj = _weight("layers/up_proj", cfg, dtype, formats)
+        self.down_proj = _weight("layers/down_proj", cfg, dtype, formats)
         self.gate_bias = _maybe(cfg.mlp_bias, (cfg.intermediate_size,), dtype)
         self.up_bias = _maybe(cfg.mlp_bias, (cfg.intermediate_size,), dtype)
         self.down_bias = _maybe(cfg.mlp_bias, (d,), dtype)
@@ -75,25 +100,27 @@ class DecoderLayer(nnx.Module):
         return x, kv_pages
 
 
-def _linear(x, kernel: nnx.Param, bias: nnx.Param | None):
-    y = x @ kernel[...]
+def _linear(x, kernel: Weight, bias: nnx.Param | None):
+    y = matmul(x, kernel)
     return y if bias is None else y + bias[...]
 
 
 class Llama(nnx.Module):
     """Embedding, `num_layers` stacked decoder layers, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, formats: dict[str, WeightFormat] | None = None):
+        formats = formats or {}
         self.cfg = cfg
-        self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.vmap(lambda: DecoderLayer(cfg, dtype), axis_size=cfg.num_layers)()
+        self.dtype = dtype
+        self.embed = _weight("embed", cfg, dtype, formats)
+        self.layers = nnx.vmap(lambda: DecoderLayer(cfg, dtype, formats), axis_size=cfg.num_layers)()
         self.final_norm = _param((cfg.hidden_size,), dtype)
-        self.lm_head = _maybe(not cfg.tie_word_embeddings, (cfg.hidden_size, cfg.vocab_size), dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _weight("lm_head", cfg, dtype, formats)
 
     def __call__(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, logits_index,
                  attention: AttentionBackend):
         """token_ids [T] int32, logits_index [S] int32 (rows to score) -> (logits [S, vocab] f32, kv_pages)."""
-        x = self.embed[...][token_ids]
+        x = embed_lookup(self.embed, token_ids, self.dtype)
         layer_graph, layer_weights = nnx.split(self.layers)
 
         def run_layer(carry, weights_and_index):
@@ -105,10 +132,10 @@ class Llama(nnx.Module):
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids))
         x = rms_norm(x[logits_index], self.final_norm[...], self.cfg.rms_norm_eps)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return (x @ head).astype(jnp.float32), kv_pages
+        return lm_head(x, self.embed, self.lm_head).astype(jnp.float32), kv_pages
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, dtype, formats: dict[str, WeightFormat] | None = None
+                   ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and a state of `ShapeDtypeStruct`s to fill from a checkpoint."""
-    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype)))
+    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, formats)))

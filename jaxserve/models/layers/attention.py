@@ -33,10 +33,17 @@ MASKED = -1e30  # a finite "minus infinity": exp() of it is 0, and 0 * it is not
 
 @struct.dataclass
 class KVPages:
-    """The device KV pool; donated to every step and returned updated."""
+    """The device KV pool; donated to every step and returned updated.
+
+    Pages hold the compute dtype, or a narrow one (`--kv-cache-dtype`): float8_e4m3fn with one
+    scale of 1 for the whole pool (vLLM's default; values clipped to +-448), or int8 with a scale
+    for every token and KV head (written once with its token, so no page is ever requantised).
+    """
 
     k: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
     v: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
+    k_scale: jax.Array | None = None  # [layers, kv_heads, pages, page_size] float32: int8 pools only
+    v_scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -90,15 +97,30 @@ class AttentionBackend(Protocol):
         ...
 
 
+FP8_MAX = 448.0   # float8_e4m3fn's largest finite value
+
+
+def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """x [T, kv_heads, head_dim] -> (pages' values in `dtype`, scales [T, kv_heads] for int8)."""
+    if dtype == jnp.int8:
+        scale = jnp.maximum(jnp.abs(x).max(axis=-1).astype(jnp.float32), 1e-12) / 127
+        return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+    if dtype == jnp.float8_e4m3fn:
+        return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(dtype), None
+    return x.astype(dtype), None
+
+
 def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, layer: jax.Array,
              slot_mapping: jax.Array) -> KVPages:
     """Scatters the new K/V [T, kv_heads, head_dim] into `layer`'s pages, in place under donation."""
     pages, offsets = slot_mapping // kv_pages.page_size, slot_mapping % kv_pages.page_size
+    (k, k_scale), (v, v_scale) = quantize_kv(k, kv_pages.k.dtype), quantize_kv(v, kv_pages.v.dtype)
     # Index arrays split by a slice put their dimension first: the update is [T, kv_heads, head_dim].
-    return KVPages(
-        k=kv_pages.k.at[layer, :, pages, offsets].set(k.astype(kv_pages.k.dtype)),
-        v=kv_pages.v.at[layer, :, pages, offsets].set(v.astype(kv_pages.v.dtype)),
-    )
+    at = (layer, slice(None), pages, offsets)
+    scales = {}
+    if kv_pages.k_scale is not None:
+        scales = dict(k_scale=kv_pages.k_scale.at[at].set(k_scale), v_scale=kv_pages.v_scale.at[at].set(v_scale))
+    return KVPages(k=kv_pages.k.at[at].set(k), v=kv_pages.v.at[at].set(v), **scales)
 
 
 def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KVPages,
@@ -122,8 +144,8 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(group.block_tables, i * pages_per_chunk,
                                              pages_per_chunk, axis=1)
-        k = _gather_pages(kv_pages.k, layer, pages)  # [kv_heads, G, C, D]
-        v = _gather_pages(kv_pages.v, layer, pages)
+        k = _gather_pages(kv_pages.k, layer, pages, kv_pages.k_scale)  # [kv_heads, G, C, D]
+        v = _gather_pages(kv_pages.v, layer, pages, kv_pages.v_scale)
         s = jnp.einsum("hgqd,hgcd->hgqc", qg, k)
         visible = i * chunk_len + jnp.arange(chunk_len) <= q_pos  # [1, G, rep*Q, C]
         s = jnp.where(visible, s, MASKED)
@@ -143,13 +165,16 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
     return out.reshape(num_seqs, q_len, heads, head_dim).astype(q.dtype)
 
 
-def _gather_pages(pool: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
-    """pool [layers, kv_heads, P, page_size, D], pages [G, n] -> [kv_heads, G, n * page_size, D] f32."""
+def _gather_pages(pool: jax.Array, layer: jax.Array, pages: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """pool [layers, kv_heads, P, page_size, D], pages [G, n] -> [kv_heads, G, n * page_size, D] f32
+    (scaled by `scale` [layers, kv_heads, P, page_size] for int8 pools)."""
     kv_heads, _, page_size, head_dim = pool.shape[1:]
     # One gather from the whole pool (slicing the layer out first would copy it).
     heads = jnp.arange(kv_heads)[:, None, None]
-    blocks = pool[layer, heads, pages[None]]
-    return blocks.reshape(kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).astype(jnp.float32)
+    blocks = pool[layer, heads, pages[None]].astype(jnp.float32)
+    if scale is not None:
+        blocks = blocks * scale[layer, heads, pages[None]][..., None]
+    return blocks.reshape(kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim)
 
 
 class XlaPagedAttention:
@@ -190,9 +215,10 @@ class MeshAttention:
     and attention rows (`data`) and its own query and KV heads (`model`), and writes and reads its
     own block of the pool, whose page ids are local to the slice. Nothing crosses devices."""
 
-    def __init__(self, backend: AttentionBackend, mesh: Mesh):
+    def __init__(self, backend: AttentionBackend, mesh: Mesh, scaled: bool = False):
         heads = P("data", "model", None)
-        pool = KVPages(k=P(None, "model", "data"), v=P(None, "model", "data"))
+        pages = P(None, "model", "data")
+        pool = KVPages(k=pages, v=pages, k_scale=pages if scaled else None, v_scale=pages if scaled else None)
         self._call = jax.shard_map(backend, mesh=mesh, in_specs=(heads, heads, heads, pool, P(), P("data")),
                                    out_specs=(heads, pool), check_vma=False)
 
