@@ -3,6 +3,7 @@
 SRC is a `.gguf` file, a Hugging Face directory, or `default` (the embedded SmolLM2). OUT gets an
 orbax-checkpoint tree of the parameters already in our layout, `config.json` and the tokenizer
 files; `--model OUT` then loads without dequantising, renaming or transposing anything.
+`--quantization` (as `jaxserve.serve`'s) chooses which weights are written quantized, and how.
 """
 
 from __future__ import annotations
@@ -25,18 +26,19 @@ from jaxserve.quantization import QUANTIZATIONS, check_quantization
 from jaxserve.tokenizer import load_tokenizer
 
 
-def convert(source: str, out_dir: str | Path, dtype: str = "float32", quantization: str = "none") -> Path:
-    """Writes `out_dir`; returns it. `quantization` is `--quantization`: none (float weights),
-    auto (a GGUF's own Q8_0/Q4_0/Q4_1), int8, fp8 or int4 (quantized here)."""
+def convert(source: str, out_dir: str | Path, dtype: str = "float32", quantization: str = "auto") -> Path:
+    """Writes `out_dir`; returns it. `quantization` is `--quantization`: auto (float weights stay
+    float, a GGUF's own Q8_0/Q4_0/Q4_1 stay quantized), none (all float), int8, fp8 or int4
+    (quantized here)."""
     check_quantization(quantization)
     path = resolve_model_path(None if source == "default" else source)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output directory {str(out)!r} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    hf_config, tensors = read_checkpoint(path, native=quantization == "auto")
+    hf_config, tensors, native = read_checkpoint(path, native=quantization == "auto")
     config = ModelConfig.from_hf(hf_config)
-    formats = weight_formats(quantization, config, tensors)
+    formats = weight_formats(quantization, config, native)
     _, abstract = abstract_model(config, jnp.dtype(dtype), formats)
     shapes = {p: s.shape for p, s in expected_params(abstract).items()}
     tensors = tqdm(tensors, desc="converting", unit="tensor", total=_count(tensors))
@@ -57,9 +59,9 @@ def main(argv=None) -> int:
     parser.add_argument("source", help="a .gguf file, an HF directory, or 'default'")
     parser.add_argument("out", help="the directory to write (must be new or empty)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                        help="none: float weights; auto: a GGUF's own Q8_0/Q4_0/Q4_1; int8, fp8, int4: "
-                             "quantize the linear layers here")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="auto: the checkpoint's own (a GGUF's Q8_0/Q4_0/Q4_1 stay quantized); none: all "
+                             "float; int8, fp8, int4: quantize the linear layers here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     out = convert(args.source, args.out, args.dtype, args.quantization)

@@ -86,5 +86,6 @@ def tiny_models(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded SmolLM2-135M-Instruct, loaded once (float32)."""
+    """The embedded SmolLM2-135M-Instruct, loaded once: float32 compute over its own Q4_1 / Q8_0
+    weights (`--quantization auto`)."""
     return load_model(None, "float32")

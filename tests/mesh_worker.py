@@ -13,11 +13,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxserve.checkpoint.loader import expected_params, load_model  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.engine import LLMEngine  # noqa: E402
-from jaxserve.engine.kv_pages import allocate  # noqa: E402
+from jaxserve.engine.kv_pages import allocate, resolve_kv_dtype  # noqa: E402
 from jaxserve.engine.runner import Runner  # noqa: E402
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
@@ -26,11 +27,11 @@ from jaxserve.sharding import KV_POOL_SPEC, mesh_from_config, sharding_for  # no
 PAGE_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 37, 16
 
 
-def paged_logits(model) -> np.ndarray:
+def paged_logits(model, kv_cache_dtype: str = "auto") -> np.ndarray:
     """[2, PROMPT's last position + DECODE_STEPS, vocab]: two prompts decoded greedily through
     scattered pages, one in the first data slice and one in the last."""
     runner = Runner(model, pages_per_slice=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
-                    max_num_batched_tokens=128, prefill_segment=16, kv_chunk_tokens=8)
+                    max_num_batched_tokens=128, prefill_segment=16, kv_chunk_tokens=8, kv_cache_dtype=kv_cache_dtype)
     pages = np.random.default_rng(0).permutation(np.arange(1, 64)).tolist()
     tables = {"a": tuple(pages[:20]), "b": tuple(pages[20:40])}
     slices = {"a": 0, "b": runner.num_slices - 1}
@@ -49,15 +50,18 @@ def paged_logits(model) -> np.ndarray:
     return np.stack([np.stack(rows[name]) for name in tables])
 
 
-def misplaced(model) -> list[str]:
+def misplaced(model, kv_cache_dtype: str = "auto") -> list[str]:
     """Parameters (and the KV pool) whose sharding is not what the rule table says."""
     if model.mesh is None:
         return []
     wrong = [path for path, param in expected_params(model.params).items()
              if not param.sharding.is_equivalent_to(sharding_for(model.mesh, "/".join(path), param.shape), param.ndim)]
-    pool = allocate(model.config, 8, PAGE_SIZE, model.dtype, model.mesh)
+    pool = allocate(model.config, 8, PAGE_SIZE, resolve_kv_dtype(kv_cache_dtype, model.dtype), model.mesh)
     if not pool.k.sharding.is_equivalent_to(NamedSharding(model.mesh, KV_POOL_SPEC), pool.k.ndim):
         wrong.append("kv_pool")
+    if pool.k_scale is not None and not pool.k_scale.sharding.is_equivalent_to(
+            NamedSharding(model.mesh, P(*KV_POOL_SPEC[:4])), pool.k_scale.ndim):
+        wrong.append("kv_pool scales")
     return ["/".join(p) if isinstance(p, tuple) else p for p in wrong]
 
 
@@ -73,17 +77,20 @@ def engine_tokens(model, mesh: str) -> np.ndarray:
     return np.array([done[i] for i in ids])
 
 
-def main(model_dir: str, out: str, meshes: str, with_engine: bool) -> None:
+def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str) -> None:
     results = {}
     for mesh in meshes.split(","):
-        model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh))
-        results[f"logits_{mesh}"] = paged_logits(model)
+        model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh), quantization)
+        results[f"logits_{mesh}"] = paged_logits(model, kv_cache_dtype)
         results[f"heads_{mesh}"] = np.array([model.config.num_heads, model.config.num_kv_heads])
-        results[f"misplaced_{mesh}"] = np.array(misplaced(model))
+        results[f"misplaced_{mesh}"] = np.array(misplaced(model, kv_cache_dtype))
+        results[f"formats_{mesh}"] = np.array(sorted(f.name for f in model.formats.values()))
         if with_engine:
             results[f"tokens_{mesh}"] = engine_tokens(model, mesh)
     np.savez(out, **results)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], "--engine" in sys.argv)
+    flags = dict(zip(sys.argv[4::2], sys.argv[5::2])) if "--engine" not in sys.argv else {}
+    main(sys.argv[1], sys.argv[2], sys.argv[3], "--engine" in sys.argv, flags.get("--quantization", "auto"),
+         flags.get("--kv-cache-dtype", "auto"))

@@ -39,7 +39,8 @@ def test_refuses_a_non_empty_output_directory(tiny_models, tmp_path):
 
 @pytest.mark.slow
 def test_embedded_gguf_converts_to_the_same_weights(smollm2, tmp_path):
-    main(["default", str(tmp_path / "smollm2")])
+    main(["default", str(tmp_path / "smollm2")])     # its own Q4_1 and Q8_0 weights, as they are
     converted = load_model(str(tmp_path / "smollm2"), "float32")
+    assert converted.formats == smollm2.formats and smollm2.formats["layers/q_proj"].name == "Q4_1"
     assert_same_params(smollm2, converted)
     assert converted.tokenizer.encode("room 101, 2024") == smollm2.tokenizer.encode("room 101, 2024")

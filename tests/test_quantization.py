@@ -175,3 +175,23 @@ def test_bad_settings_are_named(tiny_models, tmp_path):
         (bad / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": method}}))
         with pytest.raises(ValueError, match=f"quant_method '{method}'"):
             load_model(str(bad), "float32")
+
+
+def test_zero_heads_added_to_a_packed_o_proj_keep_its_values():
+    """Rearranging 9/3 heads for a 4-way mesh moves a 4-bit o_proj's rows as it moves a float one's."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.sharding import pad_heads
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=96, intermediate_size=8,
+                      num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4,
+                      max_position_embeddings=64)
+    qt = quantize(_weights((96, 9 * 64)), AT_LOAD["int4"])           # HF [out, in]
+    parts = {("layers", "o_proj", name): value[None] for name, value in qt.ours().items()}
+    new_cfg, padded = pad_heads(cfg, parts, 4)
+    _, expected = pad_heads(cfg, {("layers", "o_proj"): qt.dequantized().T[None]}, 4)
+    assert new_cfg.num_heads == 12
+    w = _device_weight(type(qt)(qt.fmt, np.zeros((96, 12 * 64), np.uint8), np.zeros((96, 24), np.float32),
+                                np.zeros((96, 24), np.float32)))
+    for name in ("value", "scale", "min"):
+        getattr(w, name).value = jnp.asarray(padded[("layers", "o_proj", name)][0])
+    np.testing.assert_allclose(np.asarray(dequantize(w, jnp.float32)), expected[("layers", "o_proj")][0], atol=1e-6)

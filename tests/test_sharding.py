@@ -111,6 +111,25 @@ def test_logits_agree_across_meshes(heads, kv_heads, hidden, tmp_path, smollm2_t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantization, kv_cache_dtype, heads, kv_heads, hidden", [
+    ("int4", "int8", 8, 2, 128),    # KV heads replicated on M = 4 (packed o_proj untouched)
+    ("int8", "fp8", 12, 4, 192),    # zero heads added on M = 8: rows of quantized o_proj rearranged
+])
+def test_quantized_weights_and_kv_cache_agree_across_meshes(quantization, kv_cache_dtype, heads, kv_heads, hidden,
+                                                          tmp_path, smollm2_tokenizer):
+    write_tiny_model(tmp_path / "model", "llama", smollm2_tokenizer, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, hidden_size=hidden)
+    meshes = "1x1,1x2,2x1,1x8" if heads == 12 else "1x1,1x2,2x1,2x4"
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes, "--quantization", quantization,
+                         "--kv-cache-dtype", kv_cache_dtype)
+    assert results["formats_1x1"].tolist() == [quantization] * 7
+    for mesh in meshes.split(",")[1:]:
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        assert results[f"formats_{mesh}"].tolist() == [quantization] * 7
+        assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
+
+
+@pytest.mark.slow
 def test_smollm2_tokens_are_identical_across_meshes(tmp_path):
     meshes = "1x1,1x2,2x1,2x4,1x8"          # 12/4 and 24/8 heads: both ways of padding; data slices
     results = run_worker("-", tmp_path / "out.npz", meshes, "--engine")

@@ -3,11 +3,17 @@ Hugging Face transformers one request at a time in the same run) and prints a ta
 
     python tools/bench_offline.py --workload ../shared/workloads/anchor-64.jsonl [--compare-hf] [--limit N]
     python tools/bench_offline.py --workload ... --mesh 1x1 --mesh 1x2     # meshes compared, one run
+    python tools/bench_offline.py --workload ... --quantization none --quantization int8 --quantization auto
+    python tools/bench_offline.py --single-stream --quantization none --quantization auto   # one request
+
+Repeated --mesh, --quantization and --kv-cache-dtype values are all combined, each in the same run.
+`--single-stream` replaces the workload by one request of 128 prompt tokens and 256 output tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -18,7 +24,13 @@ def read_workload(path: str, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def bench_jaxserve(rows, args, mesh: str) -> dict:
+def single_stream(rows) -> list[dict]:
+    """One request: the workload's prompts' tokens, 128 of them, then 256 output tokens."""
+    tokens = [t for r in rows for t in r["prompt_token_ids"]][:128]
+    return [{"prompt_token_ids": tokens, "max_tokens": 256}]
+
+
+def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str) -> dict:
     from jaxserve import LLM, SamplingParams
     from jaxserve.sharding import parse_mesh
 
@@ -27,16 +39,22 @@ def bench_jaxserve(rows, args, mesh: str) -> dict:
     started = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs // slices,
               max_num_batched_tokens=args.max_num_batched_tokens // slices,
-              max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh)
+              max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh,
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     startup = time.perf_counter() - started
+    weight_mib = llm.engine.model.weight_bytes / 2**20
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in rows]
     prompts = [r["prompt_token_ids"] for r in rows]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - started
+    times = []
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=args.repeat == 1)
+        times.append(time.perf_counter() - started)
+    elapsed = sorted(times)[len(times) // 2]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"system": f"jaxserve mesh {mesh}", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
-            "prompt_tokens": sum(len(p) for p in prompts)}
+    system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}"
+    return {"system": system, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
+            "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib}
 
 
 def bench_hf(rows, args) -> dict:
@@ -63,20 +81,27 @@ def bench_hf(rows, args) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'system':<20}{'requests':>9}{'prompt tok':>11}{'output tok':>11}{'time s':>9}{'out tok/s':>11}"
-          f"{'startup s':>10}")
+    print(f"\n{'system':<36}{'weights MiB':>12}{'requests':>9}{'prompt tok':>11}{'output tok':>11}{'time s':>9}"
+          f"{'out tok/s':>11}{'startup s':>10}")
     for r in results:
         r["output_tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
-        print(f"{r['system']:<20}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
+        mib = f"{r['weight_mib']:.1f}" if "weight_mib" in r else "-"
+        print(f"{r['system']:<36}{mib:>12}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
               f"{r['elapsed_s']:>9.1f}{r['output_tokens_per_s']:>11.1f}{r['startup_s']:>10.1f}")
     for r in results[1:]:
-        print(f"{results[0]['system']} / {r['system']}: "
-              f"{results[0]['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x")
+        print(f"{r['system']} / {results[0]['system']}: "
+              f"{r['output_tokens_per_s'] / results[0]['output_tokens_per_s']:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", required=True)
+    parser.add_argument("--workload", default="../shared/workloads/anchor-64.jsonl")
+    parser.add_argument("--single-stream", action="store_true", help="one request: 128 prompt, 256 output tokens")
+    parser.add_argument("--quantization", action="append", default=None,
+                        help="repeat to compare (default auto): auto, none, int8, fp8, int4")
+    parser.add_argument("--kv-cache-dtype", action="append", default=None,
+                        help="repeat to compare (default auto): auto, int8, fp8")
+    parser.add_argument("--repeat", type=int, default=1, help="generate N times on each engine, keep the median time")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers, one request at a time")
@@ -94,7 +119,12 @@ def main() -> None:
 
     ensure_devices(max(d * m for d, m in map(parse_mesh, meshes)))   # before JAX starts
     rows = read_workload(args.workload, args.limit)
-    results = [bench_jaxserve(rows, args, mesh) for mesh in meshes]
+    if args.single_stream:
+        rows = single_stream(rows)
+    results = []
+    for mesh, quantization, kv in itertools.product(meshes, args.quantization or ["auto"],
+                                                    args.kv_cache_dtype or ["auto"]):
+        results.append(bench_jaxserve(rows, args, mesh, quantization, kv))
     if args.compare_hf:
         results.append(bench_hf(rows, args))
     for r in results:

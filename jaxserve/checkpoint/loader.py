@@ -63,17 +63,21 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], Any]:
-    """(HF config dict, iterator of (HF name, numpy tensor or QuantizedTensor)) for a GGUF file or
-    an HF directory. With `native`, quantized tensors the engine computes with stay quantized."""
+def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], Any, dict[str, WeightFormat]]:
+    """(HF config dict, iterator of (HF name, numpy tensor or QuantizedTensor), the formats of the
+    weights that stay quantized) for a GGUF file or an HF directory. With `native`, quantized
+    tensors the engine computes with stay quantized."""
     if path.suffix == ".gguf":
         from jaxserve.checkpoint.gguf import load_gguf
 
         checkpoint = load_gguf(path, native=native)
-        return checkpoint.config, list(checkpoint.tensors.items())
+        tensors = list(checkpoint.tensors.items())
+        return checkpoint.config, tensors, checkpoint_formats(tensors)
     from jaxserve.checkpoint.hf import iter_safetensors, read_hf_config
 
-    return read_hf_config(path), iter_safetensors(path)
+    hf_config = read_hf_config(path)
+    check_quantization_config(hf_config)
+    return hf_config, iter_safetensors(path), {}
 
 
 def expected_params(state: nnx.State) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -96,8 +100,9 @@ def check_quantization_config(hf_config: dict) -> None:
                          f"it at load) or a GGUF file")
 
 
-def weight_formats(quantization: str, config: ModelConfig, tensors) -> dict[str, WeightFormat]:
-    """Which weights are quantized, and how: path -> format (see `jaxserve.quantization`)."""
+def weight_formats(quantization: str, config: ModelConfig, native: dict[str, WeightFormat]) -> dict[str, WeightFormat]:
+    """Which weights are quantized, and how: path -> format (see `jaxserve.quantization`);
+    `native` are the checkpoint's own formats, which `auto` keeps."""
     check_quantization(quantization)
     shapes = linear_shapes(config)
     if quantization in AT_LOAD:
@@ -108,7 +113,7 @@ def weight_formats(quantization: str, config: ModelConfig, tensors) -> dict[str,
     if quantization == "none":
         return {}
     formats = {}
-    for p, fmt in checkpoint_formats(tensors).items():
+    for p, fmt in native.items():
         try:
             fmt.check(p, shapes[p][0])
             formats[p] = fmt
@@ -141,10 +146,9 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
                         for p, s in expected.items()}   # restored straight into the shards
         values = orbax.restore_params(path, expected)
     else:
-        hf_config, tensors = read_checkpoint(path, native=quantization == "auto")
-        check_quantization_config(hf_config)
+        hf_config, tensors, native = read_checkpoint(path, native=quantization == "auto")
         config = ModelConfig.from_hf(hf_config)
-        formats = weight_formats(quantization, config, tensors)
+        formats = weight_formats(quantization, config, native)
         graphdef, abstract = abstract_model(config, dtype, formats)
         shapes = {p: s.shape for p, s in expected_params(abstract).items()}
         values = map_hf_weights(tensors, shapes, dtype, formats)   # host arrays
