@@ -90,13 +90,20 @@ class QuantizedWeight(nnx.Module):
 Weight = nnx.Param | QuantizedWeight
 
 
-def _affine(q: jax.Array, scale: jax.Array, minimum: jax.Array | None, dtype) -> jax.Array:
-    """q [rows, cols] with `scale` [groups, cols] over consecutive rows -> [rows, cols] of `dtype`."""
+def _affine(q: jax.Array, scale: jax.Array, minimum: jax.Array | None, dtype, axis: int = 0) -> jax.Array:
+    """q [rows, cols] with `scale` [groups, cols] over consecutive rows -> [rows, cols] of `dtype`
+    (with `axis=1`: `scale` [rows, groups] over consecutive columns)."""
     rows, cols = q.shape
-    groups = scale.shape[0]
-    w = q.astype(dtype).reshape(groups, rows // groups, cols) * scale.astype(dtype)[:, None]
+    if axis == 0:
+        groups = scale.shape[0]
+        w = q.astype(dtype).reshape(groups, rows // groups, cols) * scale.astype(dtype)[:, None]
+        if minimum is not None:
+            w = w + minimum.astype(dtype)[:, None]
+        return w.reshape(rows, cols)
+    groups = scale.shape[1]
+    w = q.astype(dtype).reshape(rows, groups, cols // groups) * scale.astype(dtype)[:, :, None]
     if minimum is not None:
-        w = w + minimum.astype(dtype)[:, None]
+        w = w + minimum.astype(dtype)[:, :, None]
     return w.reshape(rows, cols)
 
 
@@ -116,10 +123,9 @@ def _dequantize(kind: str, value, scale, minimum, dtype) -> jax.Array:
 
 def dequantize(w: QuantizedWeight, dtype) -> jax.Array:
     """The whole weight as `[in, out]` of `dtype` (tests, and the reference arithmetic)."""
-    parts = w.parts()
     if w.vocab_major:
-        parts = tuple(None if p is None else p.T for p in parts)
-    return _dequantize(w.fmt.kind, *parts, dtype)
+        return _dequantize_rows(w.fmt.kind, *w.parts(), dtype).T
+    return _dequantize(w.fmt.kind, *w.parts(), dtype)
 
 
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
@@ -139,15 +145,24 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
 VOCAB_SLICE = 1024
 
 
+def _dequantize_rows(kind: str, value, scale, minimum, dtype) -> jax.Array:
+    """Vocab-major parts ([rows, in], groups along `in`) -> [rows, in] of `dtype`."""
+    if kind == "uint4":
+        half = scale.shape[1] // 2
+        return jnp.concatenate([_affine(value & 0xF, scale[:, :half], minimum[:, :half], dtype, axis=1),
+                                _affine(value >> 4, scale[:, half:], minimum[:, half:], dtype, axis=1)], axis=1)
+    return _affine(value, scale, None, dtype, axis=1)
+
+
 def _vocab_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [T, in] @ a vocab-major weight, one slice of vocabulary rows at a time."""
+    """x [T, in] @ a vocab-major weight, one slice of vocabulary rows at a time (dequantised in
+    its stored orientation: a transpose inside the loop cost 15x)."""
     vocab = w.value.shape[0]
     size = next((s for s in (VOCAB_SLICE, 512, 256, 128) if vocab % s == 0), vocab)
     parts = tuple(None if p is None else p.reshape(vocab // size, size, p.shape[1]) for p in w.parts())
 
     def one_slice(sliced):
-        value, scale, minimum = (None if p is None else p.T for p in sliced)
-        return x @ _dequantize(w.fmt.kind, value, scale, minimum, x.dtype)
+        return x @ _dequantize_rows(w.fmt.kind, *sliced, x.dtype).T
 
     out = jax.lax.map(one_slice, parts)                       # [slices, T, size]
     return out.transpose(1, 0, 2).reshape(x.shape[0], vocab)
@@ -157,8 +172,7 @@ def embed_lookup(embed: Weight, token_ids: jax.Array, dtype) -> jax.Array:
     """token_ids [T] -> [T, hidden]; a quantized (vocab-major) embedding dequantises only those rows."""
     if isinstance(embed, nnx.Param):
         return embed[...][token_ids]
-    value, scale, minimum = (None if p is None else p[token_ids].T for p in embed.parts())
-    return _dequantize(embed.fmt.kind, value, scale, minimum, dtype).T
+    return _dequantize_rows(embed.fmt.kind, *(None if p is None else p[token_ids] for p in embed.parts()), dtype)
 
 
 def lm_head(x: jax.Array, embed: Weight, head: Weight | None) -> jax.Array:
