@@ -40,7 +40,8 @@ HELP = {
     "dtype": "compute dtype (and float weights' and KV cache's); auto: float32 on CPU, bfloat16 on TPU/GPU",
     "quantization": "weights: auto (the checkpoint's own: a GGUF's Q8_0/Q4_0/Q4_1 stay quantized), none "
                     "(dequantised to --dtype), int8 / fp8 (per channel) or int4 (groups of 32), quantized at load",
-    "kv_cache_dtype": "KV cache pages: auto (--dtype), int8 or fp8 (fp8_e4m3), with scales per token and KV head",
+    "kv_cache_dtype": "KV cache pages: auto (--dtype), int8 (a scale per token and KV head) or fp8 (= fp8_e4m3, "
+                      "one scale of 1); narrow pages need --attention-backend xla",
     "max_model_len": "context length; none: the model's",
     "page_size": "tokens per KV cache page",
     "kv_cache_gb": "KV cache size in GiB (unless --num-pages is given)",
