@@ -115,6 +115,14 @@ def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
     )
 
 
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'2x4' -> (data, model) = (2, 4): the one parser of `--mesh`."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise ValueError(f"mesh={text!r} is not DxM with D, M >= 1 (data x model), e.g. 1x8 or 2x4")
+    return int(match[1]), int(match[2])
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -175,15 +183,13 @@ class EngineConfig:
                  or self.max_num_batched_tokens >= self.max_model_len,
                  f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
                  f"{self.max_model_len} when chunked prefill is off (a prompt is prefilled in one step)")
-        _require(re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.mesh) is not None,
-                 f"mesh={self.mesh!r} is not DxM with D, M >= 1 (data x model), e.g. 1x8")
         _require(self.num_processes >= 1, f"num_processes={self.num_processes} must be >= 1")
         _require(0 <= self.process_id < self.num_processes,
                  f"process_id={self.process_id} is outside [0, num_processes={self.num_processes})")
         _require(self.num_processes == 1 or re.fullmatch(r".+:\d+", self.coordinator_address or "") is not None,
                  f"coordinator_address={self.coordinator_address!r} must be HOST:PORT when num_processes="
                  f"{self.num_processes} > 1")
-        data, model = (int(n) for n in self.mesh.split("x"))
+        data, model = parse_mesh(self.mesh)
         _require(data * model % self.num_processes == 0,
                  f"mesh={self.mesh} has {data * model} devices, which do not split evenly over "
                  f"num_processes={self.num_processes}")

@@ -25,10 +25,10 @@ import jax
 
 from jaxserve import compile_cache, distributed
 from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                             EngineConfig)
+                             EngineConfig, parse_mesh)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
-from jaxserve.sharding import ensure_devices, parse_mesh
+from jaxserve.sharding import ensure_devices
 
 log = logging.getLogger("jaxserve.serve")
 

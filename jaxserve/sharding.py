@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, parse_mesh
 from jaxserve.quantization import pack_uint4, unpack_uint4
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,6 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
 )
 KV_POOL_SPEC = P(None, "model", "data", None, None)                  # KV heads x pages
 BATCH_SPEC = P("data")                # every step array: slices end to end on the leading axis
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-    """'2x4' -> (data, model) = (2, 4)."""
-    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
-    if not match or int(match[1]) < 1 or int(match[2]) < 1:
-        raise ValueError(f"mesh={text!r} is not DxM with D, M >= 1 (data x model), e.g. 1x8 or 2x4")
-    return int(match[1]), int(match[2])
 
 
 def ensure_devices(num_devices: int) -> bool:

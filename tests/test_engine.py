@@ -197,3 +197,19 @@ def test_best_of_returns_the_most_likely_samples(engine):
     best = sorted(everyone, key=lambda o: -o.cumulative_logprob)[:2]
     assert [o.token_ids for o in finished.outputs] == [o.token_ids for o in best]
     assert [o.index for o in finished.outputs] == [0, 1] and pool_is_full(engine)
+
+
+def test_step_observer_is_told_where_each_step_went(engine):
+    times = []
+    engine.step_observer = times.append
+    try:
+        engine.add_request(list(range(1000, 1040)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        drain(engine)
+    finally:
+        engine.step_observer = None
+    # A 40-token prompt (no other test's prefix) in one step under the 64-token budget, then decodes.
+    assert [t.kind for t in times] == ["prefill", "decode", "decode", "decode"]
+    assert [t.num_tokens for t in times] == [40, 1, 1, 1]
+    for t in times:
+        assert min(t.schedule, t.prepare, t.device, t.update, t.outputs) >= 0
+        assert t.device > 0 and t.host == pytest.approx(t.schedule + t.prepare + t.update + t.outputs)

@@ -15,7 +15,8 @@ import pytest
 from jaxserve.checkpoint.loader import expected_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.llama import abstract_model
-from jaxserve.sharding import PARTITION_RULES, head_layout, pad_heads, parse_mesh, spec_for
+from jaxserve.config import parse_mesh
+from jaxserve.sharding import PARTITION_RULES, head_layout, pad_heads, spec_for
 
 from conftest import write_tiny_model
 

@@ -32,7 +32,7 @@ def single_stream(rows) -> list[dict]:
 
 def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str) -> dict:
     from jaxserve import LLM, SamplingParams
-    from jaxserve.sharding import parse_mesh
+    from jaxserve.config import parse_mesh
 
     # The limits are per data slice: split the step's totals so that every mesh holds the same batch.
     slices = parse_mesh(mesh)[0]
@@ -115,7 +115,8 @@ def main() -> None:
                         help="DxM; repeat to compare meshes in one run (default 1x1)")
     args = parser.parse_args()
     meshes = args.mesh or ["1x1"]
-    from jaxserve.sharding import ensure_devices, parse_mesh
+    from jaxserve.config import parse_mesh
+    from jaxserve.sharding import ensure_devices
 
     ensure_devices(max(d * m for d, m in map(parse_mesh, meshes)))   # before JAX starts
     rows = read_workload(args.workload, args.limit)

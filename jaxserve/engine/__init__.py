@@ -10,8 +10,10 @@
                                which gives pages (copying shared ones before they are written),
                                preempting the worst-ranked request if none are free
                                -> one SchedulerOutput
-        Runner.execute()       picks the smallest compiled shape (bucket) that holds the step,
-                               builds its padded arrays (batch.py) and calls the jitted
+        Runner.execute()       picks the smallest compiled shape (bucket) that holds the step
+                               (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
+                               4, ... prefill segments: ~12 programs), builds its padded arrays
+                               (batch.py) and calls the jitted
                                step(params, kv_pages, batch) -> (tokens, kv_pages), kv_pages
                                donated: model forward over the paged KV pool, then sampling
         Scheduler.update()     advances each request, registers its full pages in the prefix
@@ -19,7 +21,7 @@
                                finishes and frees the pages of requests that hit EOS, a stop id
                                or max_tokens
         SampleText.add()       extends each sample's text; stop strings end it
-    -> RequestOutput per request that moved
+    -> RequestOutput per request that moved; `step_observer`, if set, gets the step's StepTimes
 
 On a mesh with D data slices, `SlicedScheduler` (data_slices.py) holds one Scheduler and
 PageAllocator per slice, each on its own part of the pool, and places each new request on the

@@ -25,6 +25,7 @@ from jaxserve.engine.data_slices import SlicedScheduler
 from jaxserve.engine.runner import Followers, Runner
 from jaxserve.engine.sampler import row_seed
 from jaxserve.engine.scheduler import SchedulerConfig
+from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.sharding import mesh_from_config
@@ -43,6 +44,30 @@ class EngineStats:
     num_preemptions: int = 0        # since start: sequences preempted (and later recomputed)
     prefix_cache_queries: int = 0   # since start: prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # since start: of those, tokens found cached (not computed)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Where one step's wall time went, in seconds (`LLMEngine.step_observer`). The loop is serial:
+    the device waits while the host schedules, prepares, updates and makes outputs."""
+
+    kind: str          # "decode" (every sequence computes one token), "prefill" (none does), "mixed"
+    num_seqs: int
+    num_tokens: int
+    schedule: float    # Scheduler.schedule
+    prepare: float     # page copies launched, the step's host arrays built
+    device: float      # the step's arrays sent, the step run, its tokens read back
+    update: float      # Scheduler.update: requests advanced, pages cached and freed
+    outputs: float     # detokenising, stop strings, RequestOutputs
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.prepare + self.update + self.outputs
+
+
+def _step_kind(output: SchedulerOutput) -> str:
+    single = sum(s.num_tokens == 1 for s in output.sequences)
+    return "decode" if single == len(output.sequences) else "prefill" if single == 0 else "mixed"
 
 
 @dataclasses.dataclass
@@ -118,6 +143,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
+        self.step_observer: Callable[[StepTimes], None] | None = None   # told each step's StepTimes
         log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s)", num_slices, pages - 1,
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
                  * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name)
@@ -226,15 +252,26 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + device step; outputs of the requests that moved forward."""
+        started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
+        scheduled = time.perf_counter()
         try:
             sampled, logprobs = self.runner.execute(output)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
             return self._fail_step(output, error)
+        executed = time.perf_counter()
         advanced = self.scheduler.update(output, sampled)
-        return self._outputs({r.request_id for r in advanced}, sampled, logprobs)
+        updated = time.perf_counter()
+        results = self._outputs({r.request_id for r in advanced}, sampled, logprobs)
+        if self.step_observer is not None:
+            prepare, device = self.runner.last_timing
+            self.step_observer(StepTimes(
+                _step_kind(output), len(output.sequences), sum(s.num_tokens for s in output.sequences),
+                scheduled - started, prepare, executed - scheduled - prepare, updated - executed,
+                time.perf_counter() - updated))
+        return results
 
     def _outputs(self, sample_ids: set[str], sampled: dict[str, int],
                  logprobs: dict[str, TokenLogprob]) -> list[RequestOutput]:

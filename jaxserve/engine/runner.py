@@ -11,10 +11,11 @@ the same calls in the same order.
 
 from __future__ import annotations
 
-import bisect
-import itertools
+import concurrent.futures
 import logging
 import math
+import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -36,11 +37,34 @@ log = logging.getLogger(__name__)
 KV_CHUNK_TOKENS = 64  # default context visited per attention loop iteration
 
 
-def _sizes(limit: int) -> list[int]:
-    """0, then powers of two below `limit`, then `limit`. (Small decode buckets matter: on
-    SmolLM2 a 1-row step took 60 ms and an 8-row one 112 ms.)"""
-    powers = [2**i for i in range(max(limit, 1).bit_length()) if 2**i < limit]
-    return [0] + powers + [limit]
+def _powers(limit: int) -> list[int]:
+    """1, 2, 4, ... below `limit`, then `limit`."""
+    return [2**i for i in range(limit.bit_length()) if 2**i < limit] + [limit]
+
+
+def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, segment: int) -> list[Bucket]:
+    """The compiled shapes, smallest first: decode-only steps of 1, 2, 4, ... max_num_seqs slots,
+    and steps of 1, 2, 4, ... prefill segments (up to the token budget) with as many decode slots
+    as their segments' tokens, at most max_num_seqs.
+
+    About log2(max_num_seqs) + log2(budget / segment) programs: 12 at the defaults, where the
+    decode x segment grid compiled 48. A step takes the smallest bucket that holds it. Padded
+    decode slots cost little: their block tables point at page 0, which stays in cache, and a
+    group without a real row visits no context at all. Decode-only steps get no padded segments:
+    64 padded tokens cost a 64-sequence step as much matrix work as its real ones. (Small decode
+    buckets matter: on SmolLM2 a 1-row step took 60 ms and an 8-row one 112 ms.)
+    """
+    decode = [Bucket(d, 0) for d in _powers(max_num_seqs)]
+    mixed = [Bucket(min(max_num_seqs, p * segment), p) for p in _powers(max_num_batched_tokens // segment)]
+    return sorted(set(decode + mixed), key=lambda b: (b.num_tokens(segment), b.num_segments))
+
+
+def smallest_bucket(buckets: list[Bucket], need: Bucket) -> Bucket:
+    """The first of `buckets` (smallest first) with room for `need`'s decodes and segments."""
+    for bucket in buckets:
+        if bucket.num_decode >= need.num_decode and bucket.num_segments >= need.num_segments:
+            return bucket
+    raise ValueError(f"a step of {need} exceeds the largest compiled bucket {buckets[-1]}")
 
 
 def resolve_backend(name: str) -> str:
@@ -74,8 +98,7 @@ class Runner:
                                   ragged_rows=self.attention_backend == "pallas")
         self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
-        self.decode_sizes = _sizes(max_num_seqs)
-        self.segment_sizes = _sizes(max_num_batched_tokens // prefill_segment)
+        self.buckets = step_buckets(max_num_seqs, max_num_batched_tokens, prefill_segment)
         self.kv_pages = kv_pool.allocate(model.config, pages_per_slice, page_size, self.kv_dtype, model.mesh)
         attention = PallasPagedAttention() if self.attention_backend == "pallas" else XlaPagedAttention(pages_per_chunk)
         self._batch_sharding = None
@@ -85,34 +108,37 @@ class Runner:
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        return [Bucket(d, p) for d, p in itertools.product(self.decode_sizes, self.segment_sizes) if d or p]
+        self.last_timing = (0.0, 0.0)   # the last execute's seconds: (host arrays, device call + read back)
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
-        need = self.layout.needs(output, self.num_slices)
-        decode = self.decode_sizes[bisect.bisect_left(self.decode_sizes, need.num_decode)]
-        segments = self.segment_sizes[bisect.bisect_left(self.segment_sizes, need.num_segments)]
-        return Bucket(decode, segments)
+        return smallest_bucket(self.buckets, self.layout.needs(output, self.num_slices))
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compiles the step for every bucket."""
-        buckets = self.buckets
+        """Compiles the step for every bucket. Tracing holds the GIL, so it runs on this thread;
+        each program's XLA compile, mostly single-threaded, goes to a pool of one thread per core
+        as soon as it is traced."""
         no_copies = np.zeros(self.max_copies, np.int32)
-        self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile()
-        for i, bucket in enumerate(buckets):
-            batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-            self._step.lower(self.model.params, self.kv_pages, self._place(batch)).compile()
-            if progress:
-                progress(i + 1, len(buckets))
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            compiles = [pool.submit(self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile)]
+            for bucket in self.buckets:
+                batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
+                compiles.append(pool.submit(self._step.lower(self.model.params, self.kv_pages,
+                                                             self._place(batch)).compile))
+            for i, compiled in enumerate(concurrent.futures.as_completed(compiles[1:])):
+                compiled.result()
+                if progress:
+                    progress(i + 1, len(self.buckets))
+            compiles[0].result()
 
     def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         """Runs one step. Returns the token sampled for each sequence whose chunk reached its end,
         and the logprobs of those whose params ask for them."""
+        started = time.perf_counter()
         self._make_copies(output.page_copies)
         batch, rows = self.layout.build(output, self.bucket_for(output), self.num_slices)
+        launched = time.perf_counter()
         samples = jax.device_get(self._run_step(batch))
+        self.last_timing = (launched - started, time.perf_counter() - launched)
         tokens, logprobs = {}, {}
         for i, seq in enumerate(rows):
             if seq is None:

@@ -13,13 +13,13 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.engine.request import FinishReason   # never "error" in a body: a failed request gets an error
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
-FinishReason = Literal["stop", "length", "abort"] | None
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
@@ -215,7 +215,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason = None
+    finish_reason: FinishReason | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -250,7 +250,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -272,7 +272,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -299,7 +299,7 @@ class GenerateOutput(BaseModel):
     token_ids: list[int]
     logprobs: list[GenerateTokenLogprob] | None = Field(None, description="One per token, when asked for.")
     cumulative_logprob: float | None = None
-    finish_reason: FinishReason = None
+    finish_reason: FinishReason | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -312,7 +312,7 @@ class GenerateStreamOutput(BaseModel):
     output_text: str = Field(description="The text added since the previous chunk.")
     logprobs: list[GenerateTokenLogprob] | None = Field(
         None, description="The tokens generated since the previous chunk, when asked for.")
-    finish_reason: FinishReason = None
+    finish_reason: FinishReason | None = None
 
 
 class GenerateChunk(BaseModel):

@@ -1,0 +1,131 @@
+"""Host overhead of the engine loop: per step kind, the host milliseconds (schedule, prepare the
+step's arrays, update the requests, make the outputs) against the device milliseconds, and the
+share of wall time the device sat idle waiting for the host.
+
+    python tools/bench_host.py                          # the embedded SmolLM2, 8/64/256 sequences
+    python tools/bench_host.py --tiny --num-seqs 64     # a tiny random model with the real vocabulary
+
+`--tiny` writes a random Llama checkpoint (4 layers, hidden 256, SmolLM2's tokenizer and 49,152
+token vocabulary) to a temporary folder: its device step is short, as an accelerator's is, so the
+host's share shows. Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
+ignored, greedy); all are queued at once, so `--num-seqs` of them run together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=256,
+            intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+
+
+def write_tiny_model(directory: Path) -> Path:
+    """A random-weight HF checkpoint (safetensors, config, SmolLM2's tokenizer), no torch needed."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.checkpoint.default_model import default_model_path
+    from jaxserve.tokenizer import load_tokenizer
+
+    c = TINY
+    d, ffn, head_dim = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head_dim
+    rng = np.random.default_rng(0)
+
+    def random(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": random(c["vocab_size"], d), "model.norm.weight": np.ones(d, np.float32)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": random(d, d), p + "self_attn.k_proj.weight": random(kv, d),
+                    p + "self_attn.v_proj.weight": random(kv, d), p + "self_attn.o_proj.weight": random(d, d),
+                    p + "mlp.gate_proj.weight": random(ffn, d), p + "mlp.up_proj.weight": random(ffn, d),
+                    p + "mlp.down_proj.weight": random(d, ffn), p + "input_layernorm.weight": np.ones(d, np.float32),
+                    p + "post_attention_layernorm.weight": np.ones(d, np.float32)}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(c))
+    load_tokenizer(default_model_path()).save_pretrained(directory)
+    return directory
+
+
+def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]]):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import LLMEngine
+    from jaxserve.sampling_params import SamplingParams
+
+    config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=512,
+                          max_num_batched_tokens=max(512, num_seqs * 2), kv_cache_gb=1.0,
+                          enable_prefix_caching=False)
+    started = time.perf_counter()
+    engine = LLMEngine(config, model=loaded)
+    startup = time.perf_counter() - started
+    times = []
+    engine.step_observer = times.append
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(prompts[i % len(prompts)], params)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times, time.perf_counter() - started, startup, engine.model
+
+
+def report(label: str, num_seqs: int, times, wall: float, startup: float) -> None:
+    by_kind = collections.defaultdict(list)
+    for t in times:
+        by_kind[t.kind].append(t)
+    host = sum(t.host for t in times)
+    device = sum(t.device for t in times)
+    print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s (start-up {startup:.1f} s); "
+          f"device idle (waiting for the host) {host / (host + device):.1%} of step time")
+    print(f"  {'kind':8} {'steps':>6} {'seqs':>6} {'schedule':>9} {'prepare':>9} {'update':>9} "
+          f"{'outputs':>9} {'host':>9} {'device':>9}   (medians, ms)")
+    for kind in ("prefill", "mixed", "decode"):
+        rows = by_kind.get(kind)
+        if not rows:
+            continue
+
+        def med(field):
+            return statistics.median(getattr(t, field) for t in rows) * 1e3
+
+        print(f"  {kind:8} {len(rows):6d} {statistics.median(t.num_seqs for t in rows):6.0f} {med('schedule'):9.2f} "
+              f"{med('prepare'):9.2f} {med('update'):9.2f} {med('outputs'):9.2f} {med('host'):9.2f} "
+              f"{med('device'):9.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead (see above)")
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--workload", default=str(Path(__file__).resolve().parents[2] / "shared" / "workloads"
+                                                  / "anchor-64.jsonl"), help="prompts: the first 32 tokens of each")
+    args = parser.parse_args()
+
+    from jaxserve.host_memory import keep_freed_memory
+
+    keep_freed_memory()
+    with open(args.workload) as f:
+        prompts = [json.loads(line)["prompt_token_ids"][:32] for line in f if line.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_tiny_model(Path(tmp))) if args.tiny else args.model
+        label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")
+        loaded = None
+        for num_seqs in args.num_seqs:
+            times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts)
+            report(label, num_seqs, times, wall, startup)
+
+
+if __name__ == "__main__":
+    main()
