@@ -26,8 +26,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxserve.config import EngineConfig
-from jaxserve.config import parse_mesh
+from jaxserve.config import EngineConfig, parse_mesh
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
 """LLMEngine on a tiny random model: requests in, tokens out, bad input refused, pages returned."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -204,12 +206,15 @@ def test_step_observer_is_told_where_each_step_went(engine):
     engine.step_observer = times.append
     try:
         engine.add_request(list(range(1000, 1040)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        started = time.perf_counter()
         drain(engine)
+        wall = time.perf_counter() - started
     finally:
         engine.step_observer = None
     # A 40-token prompt (no other test's prefix) in one step under the 64-token budget, then decodes.
     assert [t.kind for t in times] == ["prefill", "decode", "decode", "decode"]
     assert [t.num_tokens for t in times] == [40, 1, 1, 1]
     for t in times:
-        assert min(t.schedule, t.prepare, t.device, t.update, t.outputs) >= 0
-        assert t.device > 0 and t.host == pytest.approx(t.schedule + t.prepare + t.update + t.outputs)
+        assert min(t.schedule, t.prepare, t.update, t.outputs) >= 0 and t.device > 0
+    # The parts are disjoint slices of the loop's wall time.
+    assert sum(t.host + t.device for t in times) <= wall

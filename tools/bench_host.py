@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_offline import DEFAULT_WORKLOAD, read_workload
+
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=256,
             intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
@@ -109,15 +111,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead (see above)")
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--workload", default=str(Path(__file__).resolve().parents[2] / "shared" / "workloads"
-                                                  / "anchor-64.jsonl"), help="prompts: the first 32 tokens of each")
+    parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="prompts: the first 32 tokens of each")
     args = parser.parse_args()
 
     from jaxserve.host_memory import keep_freed_memory
 
     keep_freed_memory()
-    with open(args.workload) as f:
-        prompts = [json.loads(line)["prompt_token_ids"][:32] for line in f if line.strip()]
+    prompts = [r["prompt_token_ids"][:32] for r in read_workload(args.workload, None)]
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp))) if args.tiny else args.model
         label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")

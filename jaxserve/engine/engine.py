@@ -266,7 +266,7 @@ class LLMEngine:
         updated = time.perf_counter()
         results = self._outputs({r.request_id for r in advanced}, sampled, logprobs)
         if self.step_observer is not None:
-            prepare, device = self.runner.last_timing
+            prepare = self.runner.last_prepare_s
             self.step_observer(StepTimes(
                 _step_kind(output), len(output.sequences), sum(s.num_tokens for s in output.sequences),
                 scheduled - started, prepare, executed - scheduled - prepare, updated - executed,

@@ -109,7 +109,7 @@ class Runner:
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
-        self.last_timing = (0.0, 0.0)   # the last execute's seconds: (host arrays, device call + read back)
+        self.last_prepare_s = 0.0   # the last execute's seconds before the device call (copies, host arrays)
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
         return smallest_bucket(self.buckets, self.layout.needs(output, self.num_slices))
@@ -137,9 +137,8 @@ class Runner:
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         batch, rows = self.layout.build(output, self.bucket_for(output), self.num_slices)
-        launched = time.perf_counter()
+        self.last_prepare_s = time.perf_counter() - started
         samples = jax.device_get(self._run_step(batch))
-        self.last_timing = (launched - started, time.perf_counter() - launched)
         tokens, logprobs = {}, {}
         for i, seq in enumerate(rows):
             if seq is None:

@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.engine.request import FinishReason   # never "error" in a body: a failed request gets an error
+from jaxserve.engine.request import FinishReason   # "error" never reaches a body: a failed request is an error reply
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 

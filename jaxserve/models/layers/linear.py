@@ -91,20 +91,14 @@ Weight = nnx.Param | QuantizedWeight
 
 
 def _affine(q: jax.Array, scale: jax.Array, minimum: jax.Array | None, dtype, axis: int = 0) -> jax.Array:
-    """q [rows, cols] with `scale` [groups, cols] over consecutive rows -> [rows, cols] of `dtype`
-    (with `axis=1`: `scale` [rows, groups] over consecutive columns)."""
-    rows, cols = q.shape
-    if axis == 0:
-        groups = scale.shape[0]
-        w = q.astype(dtype).reshape(groups, rows // groups, cols) * scale.astype(dtype)[:, None]
-        if minimum is not None:
-            w = w + minimum.astype(dtype)[:, None]
-        return w.reshape(rows, cols)
-    groups = scale.shape[1]
-    w = q.astype(dtype).reshape(rows, groups, cols // groups) * scale.astype(dtype)[:, :, None]
+    """q [rows, cols] -> [rows, cols] of `dtype`, with `scale` (and `minimum`) over groups of
+    consecutive entries along `axis`: [groups, cols] for axis 0, [rows, groups] for axis 1."""
+    groups = scale.shape[axis]
+    grouped = q.shape[:axis] + (groups, q.shape[axis] // groups) + q.shape[axis + 1:]
+    w = q.astype(dtype).reshape(grouped) * jnp.expand_dims(scale.astype(dtype), axis + 1)
     if minimum is not None:
-        w = w + minimum.astype(dtype)[:, :, None]
-    return w.reshape(rows, cols)
+        w = w + jnp.expand_dims(minimum.astype(dtype), axis + 1)
+    return w.reshape(q.shape)
 
 
 def _halves(value, scale, minimum, dtype) -> tuple[jax.Array, jax.Array]:
