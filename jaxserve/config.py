@@ -151,6 +151,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
+    max_structured_output_bytes: int = 65536   # largest JSON schema, regex, grammar or choice list
     mesh: str = "1x1"                     # DxM devices: data x model (tensor) parallel
     coordinator_address: str | None = None  # HOST:PORT of process 0, for several processes (hosts)
     num_processes: int = 1                # processes (hosts) the mesh spans
@@ -189,6 +190,8 @@ class EngineConfig:
         _require(self.num_processes == 1 or re.fullmatch(r".+:\d+", self.coordinator_address or "") is not None,
                  f"coordinator_address={self.coordinator_address!r} must be HOST:PORT when num_processes="
                  f"{self.num_processes} > 1")
+        _require(self.max_structured_output_bytes >= 1,
+                 f"max_structured_output_bytes={self.max_structured_output_bytes} must be >= 1")
         data, model = parse_mesh(self.mesh)
         _require(data * model % self.num_processes == 0,
                  f"mesh={self.mesh} has {data * model} devices, which do not split evenly over "

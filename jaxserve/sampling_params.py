@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from jaxserve.errors import InvalidRequestError
 
@@ -15,6 +16,34 @@ def _check(ok: bool, param: str, value, allowed: str) -> None:
 MAX_LOGPROBS = 20          # top logprobs per token (OpenAI's chat limit)
 MAX_LOGIT_BIAS = 300       # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request (suppressed with EOS until min_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's `structured_outputs`): exactly one of these."""
+
+    json: str | None = None             # a JSON schema (text; a dict is accepted)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None   # the text is one of these strings
+    grammar: str | None = None          # Lark, or GBNF as llama.cpp writes it
+    json_object: bool = False           # any JSON object
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):   # as text, so that the params stay hashable (keys keep their order)
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            _check(len(self.choice) >= 1, "structured_outputs.choice", list(self.choice), "give at least one choice")
+        _check(len(self._given()) == 1, "structured_outputs", self._given() or None,
+               "give exactly one of json, regex, choice, grammar, json_object")
+
+    def _given(self) -> list[str]:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return given + ["json_object"] if self.json_object else given
+
+    @property
+    def kind(self) -> str:
+        return self._given()[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +67,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is accepted
     logprobs: int | None = None         # None: no logprobs; k: the sampled token's and the top k's
     best_of: int | None = None          # samples to generate, of which the n most likely are returned
+    structured_outputs: StructuredOutputsParams | None = None   # the text must match this constraint
 
     def __post_init__(self):
         # Accept lists from callers, keep tuples so the object stays hashable.

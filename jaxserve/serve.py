@@ -28,6 +28,7 @@ from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTI
                              EngineConfig, parse_mesh)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.sharding import ensure_devices
 
 log = logging.getLogger("jaxserve.serve")
@@ -73,9 +74,13 @@ HELP = {
     "log_level": "logging level",
     "compile_cache_dir": "JAX's persistent compilation cache; none: ~/.cache/jaxserve/xla (or under "
                          "$XDG_CACHE_HOME)",
+    "max_structured_output_bytes": "largest JSON schema, regex, grammar or choice list a request may give",
+    "enable_auto_tool_choice": "let the model decide to call tools (tool_choice auto); needs --tool-call-parser",
+    "tool_call_parser": "how the model writes tool calls, for tool_choice auto",
 }
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
-           "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
+           "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
+           "tool_call_parser": TOOL_CALL_PARSERS}
 
 
 def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:

@@ -64,7 +64,9 @@ class IncrementalDetokenizer:
         return piece
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the reply;
+    `tools` (OpenAI function definitions) for a template that renders them."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
     return [int(i) for i in ids]

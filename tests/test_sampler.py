@@ -136,3 +136,36 @@ def test_logprobs_are_the_raw_log_softmax():
         order = np.argsort(-log_softmax[i])[:20]
         assert samples.top_ids[i].tolist() == order.tolist()
         np.testing.assert_allclose(samples.top_logprobs[i], log_softmax[i, order], atol=1e-5)
+
+
+def packed(allowed_ids, vocab):
+    """A packed allowed-token mask row: bit t % 32 of word t // 32 set for each allowed t."""
+    bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
+    bits[list(allowed_ids)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+                                    SamplingParams(top_k=3), SamplingParams(top_p=0.5, min_p=0.1)])
+def test_masked_rows_sample_only_allowed_tokens_and_others_are_unchanged(params):
+    rng = np.random.default_rng(1)
+    vocab, allowed = 300, {7, 64, 65, 250, 299}
+    logits = rng.normal(size=(8, vocab)).astype(np.float32)
+    rows = [row(params, seed) for seed in range(8)]
+    alone = sample_jit(logits, rows)
+    masks = {"r": packed(allowed, vocab)}   # every row is "r": mask them all, then only the odd ones
+    masked = _sample_jit(logits, sampling_tensors(rows, 8, vocab, HISTORY, masks)).tokens
+    assert set(np.asarray(masked).tolist()) <= allowed
+    half = sampling_tensors(rows, 8, vocab, HISTORY, masks)
+    half = half.replace(allowed=np.where(np.arange(8)[:, None] % 2 == 1, half.allowed, -1))
+    tokens = np.asarray(_sample_jit(logits, half).tokens)
+    assert set(tokens[1::2].tolist()) <= allowed
+    assert (tokens[0::2] == alone[0::2]).all()
+
+
+def test_truncation_still_applies_beside_suppressed_tokens():
+    # A suppressed (-inf) token once made top-k's bisection start at -inf and keep every token.
+    reference = draw(SamplingParams(top_k=2), 500)
+    logits = np.tile(np.log(PROBS), (500, 1))
+    rows = [row(SamplingParams(top_k=2, min_tokens=1), seed, suppressed=(3,)) for seed in range(500)]
+    assert set(sample_jit(logits, rows).tolist()) == {0, 1} == set(reference.tolist())

@@ -1,13 +1,14 @@
 """Scheduler: budgets, chunked prefill, decodes first, preemption that loses nothing."""
 
 import dataclasses
+import re
 
 import pytest
 
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=4, budget=32, segment=8, caching=True, **config):
@@ -288,14 +289,20 @@ def test_long_prompt_is_chunked_while_streams_keep_decoding(cached_engine, monke
     finish_all(cached_engine)
 
 
-def test_preempted_requests_finish_with_the_tokens_of_a_large_pool(long_tiny, uncached_engine):
+def test_preempted_requests_finish_with_the_tokens_of_a_large_pool(long_tiny, uncached_engine, monkeypatch):
     small = engine_for(long_tiny, max_model_len=256, num_pages=18)     # 17 pages; one sequence needs 16
-    requests = [(prompt_of(17 + 5 * i, i), greedy(24 + i)) for i in range(32)]
+    # Every fourth request is constrained: its grammar must survive being preempted and recomputed.
+    words = StructuredOutputsParams(regex="[a-z]+( [a-z]+)*")
+    requests = [(prompt_of(17 + 5 * i, i), greedy(24 + i, structured_outputs=words if i % 4 == 0 else None))
+                for i in range(32)]
     for i, (prompt, params) in enumerate(requests):
         small.add_request(prompt, params, request_id=str(i))
         uncached_engine.add_request(prompt, params, request_id=str(i))
+    steps = record_steps(small, monkeypatch)
     got, expected = finish_all(small), finish_all(uncached_engine)
-    assert small.stats().num_preemptions > 0
+    preempted = {int(r.split("/")[0]) for step in steps for r in step.preempted_ids}
+    assert any(i % 4 == 0 for i in preempted)
     assert {k: v.outputs[0].token_ids for k, v in got.items()} == {
         k: v.outputs[0].token_ids for k, v in expected.items()}
+    assert all(re.fullmatch("[a-z]+( [a-z]+)* ?", got[str(i)].outputs[0].text) for i in range(0, 32, 4))
     assert small.stats().kv_cache_usage == 0

@@ -8,13 +8,16 @@ share of wall time the device sat idle waiting for the host.
 `--tiny` writes a random Llama checkpoint (4 layers, hidden 256, SmolLM2's tokenizer and 49,152
 token vocabulary) to a temporary folder: its device step is short, as an accelerator's is, so the
 host's share shows. Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
-ignored, greedy); all are queued at once, so `--num-seqs` of them run together.
+ignored, greedy); all are queued at once, so `--num-seqs` of them run together. With
+`--structured` each request also has a JSON schema of its own (a string field named after it), and
+the `masks` column shows the host time llguidance spends filling the allowed-token masks.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -60,10 +63,15 @@ def write_tiny_model(directory: Path) -> Path:
     return directory
 
 
-def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]]):
+def schema(index: int) -> dict:
+    """A JSON schema per request: distinct, so each is compiled, and open-ended (a free string)."""
+    return {"type": "object", "properties": {f"note_{index}": {"type": "string"}}, "required": [f"note_{index}"]}
+
+
+def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
     config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=512,
                           max_num_batched_tokens=max(512, num_seqs * 2), kv_cache_gb=1.0,
@@ -75,7 +83,8 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     engine.step_observer = times.append
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     for i in range(num_seqs):
-        engine.add_request(prompts[i % len(prompts)], params)
+        constraint = StructuredOutputsParams(json=schema(i)) if structured else None
+        engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=constraint))
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -90,7 +99,7 @@ def report(label: str, num_seqs: int, times, wall: float, startup: float) -> Non
     device = sum(t.device for t in times)
     print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s (start-up {startup:.1f} s); "
           f"device idle (waiting for the host) {host / (host + device):.1%} of step time")
-    print(f"  {'kind':8} {'steps':>6} {'seqs':>6} {'schedule':>9} {'prepare':>9} {'update':>9} "
+    print(f"  {'kind':8} {'steps':>6} {'seqs':>6} {'schedule':>9} {'masks':>9} {'prepare':>9} {'update':>9} "
           f"{'outputs':>9} {'host':>9} {'device':>9}   (medians, ms)")
     for kind in ("prefill", "mixed", "decode"):
         rows = by_kind.get(kind)
@@ -101,7 +110,7 @@ def report(label: str, num_seqs: int, times, wall: float, startup: float) -> Non
             return statistics.median(getattr(t, field) for t in rows) * 1e3
 
         print(f"  {kind:8} {len(rows):6d} {statistics.median(t.num_seqs for t in rows):6.0f} {med('schedule'):9.2f} "
-              f"{med('prepare'):9.2f} {med('update'):9.2f} {med('outputs'):9.2f} {med('host'):9.2f} "
+              f"{med('masks'):9.2f} {med('prepare'):9.2f} {med('update'):9.2f} {med('outputs'):9.2f} {med('host'):9.2f} "
               f"{med('device'):9.2f}")
 
 
@@ -112,6 +121,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="prompts: the first 32 tokens of each")
+    parser.add_argument("--structured", action="store_true", help="a JSON schema per request (see above)")
     args = parser.parse_args()
 
     from jaxserve.host_memory import keep_freed_memory
@@ -123,8 +133,8 @@ def main() -> None:
         label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")
         loaded = None
         for num_seqs in args.num_seqs:
-            times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts)
-            report(label, num_seqs, times, wall, startup)
+            times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts, args.structured)
+            report(label + (", a JSON schema each" if args.structured else ""), num_seqs, times, wall, startup)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,16 @@ configurations, with ratios against the first:
         --launch "--enable-chunked-prefill --max-model-len 2304 --max-num-seqs 16" \
         --launch "--no-enable-chunked-prefill --max-model-len 2304 --max-num-batched-tokens 2304 --max-num-seqs 16"
 
+`--structured json` gives every request a JSON schema of its own (`structured_outputs`; a reply
+ends when the model closes the object, so replies are shorter than unconstrained ones);
+`--structured regex` a pattern that never completes (`[^"]*`), so that with EOS ignored every reply
+runs to max_tokens as an unconstrained one does and the two are compared token for token.
+`--compare-plain` replays the workload unconstrained first on the same server and compares the
+two (prefix caching off, so that the second replay does not find the first one's prompts cached):
+
+    python tools/bench_serving.py --workload ../shared/workloads/anchor-64.jsonl --concurrency 16 \
+        --structured regex --compare-plain --launch "--no-enable-prefix-caching"
+
 `--scenario long-prompt` measures how long one long prompt stalls running streams instead (see
 bench_long_prompt.py).
 """
@@ -67,10 +77,21 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def request_body(row: dict, model: str, send_text: bool) -> dict:
-    return {"model": model, "prompt": row["prompt_text"] if send_text else row["prompt_token_ids"],
+def request_body(row: dict, model: str, send_text: bool, structured: str = "off") -> dict:
+    body = {"model": model, "prompt": row["prompt_text"] if send_text else row["prompt_token_ids"],
             "max_tokens": row["max_tokens"], "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if structured == "json":
+        return {**body, "structured_outputs": {"json": row_schema(row)}}
+    return {**body, "structured_outputs": {"regex": '[^"]*'}} if structured == "regex" else body
+
+
+def row_schema(row: dict) -> dict:
+    """A JSON schema of the request's own (its id in the field names): every request compiles one."""
+    key = f"r{row['id']}"
+    return {"type": "object", "required": [f"{key}_title", f"{key}_notes"], "additionalProperties": False,
+            "properties": {f"{key}_title": {"type": "string", "maxLength": 40},
+                           f"{key}_notes": {"type": "array", "items": {"type": "string"}}}}
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: dict, row: dict) -> Result:
@@ -120,7 +141,7 @@ async def run(rows: list[dict], url: str, model: str, args) -> tuple[list[Result
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         async def one(row: dict) -> Result:
             async with limit:
-                result = await send(session, url, request_body(row, model, args.send_text), row)
+                result = await send(session, url, request_body(row, model, args.send_text, args.constrained), row)
             bar.update(1)
             return result
 
@@ -208,7 +229,21 @@ async def bench_workload(base_url: str, model: str, rows: list[dict], args) -> t
 
 
 def bench_server(base_url: str, rows: list[dict], args, plot_path: Path) -> dict:
-    """The chosen scenario against one running server; prints its table, returns its summary."""
+    """The chosen scenario against one running server; prints its table, returns its summary
+    (with `--compare-plain`: the plain and the constrained replays' summaries, compared)."""
+    if args.compare_plain:
+        passes = []
+        for constrained in ("off", args.structured):
+            args.constrained = constrained
+            print(f"  -- structured outputs: {constrained}")
+            passes.append(bench_server_once(base_url, rows, args, plot_path.with_stem(f"{plot_path.stem}-{constrained}")))
+        print_workload_comparison(passes, ["plain", f"constrained ({args.structured})"])
+        return {**passes[0], "failed": sum(p["failed"] for p in passes), "structured_passes": passes}
+    args.constrained = args.structured
+    return bench_server_once(base_url, rows, args, plot_path)
+
+
+def bench_server_once(base_url: str, rows: list[dict], args, plot_path: Path) -> dict:
     model = args.model or asyncio.run(served_model(base_url, args.api_key))
     if args.scenario == "long-prompt":
         summary = asyncio.run(bench_long_prompt.run(base_url, model, rows, args, auth_headers(args.api_key)))
@@ -279,6 +314,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--send-text", action="store_true", help="send prompt_text instead of token ids")
+    parser.add_argument("--structured", choices=("off", "json", "regex"), default="off",
+                        help="constrain every request: a JSON schema each, or a never-ending regex (see above)")
+    parser.add_argument("--compare-plain", action="store_true", help="replay unconstrained first and compare")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.add_argument("--timeout", type=float, default=600, help="seconds without a byte before giving up")
     parser.add_argument("--result-json", type=Path, default=None,
@@ -299,6 +337,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.concurrency = 1
     if (args.concurrency is not None and args.concurrency < 1) or (args.request_rate or 1) <= 0:
         parser.error("--concurrency must be >= 1 and --request-rate > 0")
+    if args.compare_plain and args.structured == "off":
+        parser.error("--compare-plain needs --structured json or regex")
     if args.streams < 1 or args.short_prompt_len < 1 or args.long_prompt_len < 1 or args.warmup < 0:
         parser.error("--streams, --short-prompt-len and --long-prompt-len must be >= 1, --warmup >= 0")
     tag = (args.scenario if args.scenario != "workload" else

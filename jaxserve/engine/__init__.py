@@ -10,16 +10,22 @@
                                which gives pages (copying shared ones before they are written),
                                preempting the worst-ranked request if none are free
                                -> one SchedulerOutput
+        Grammars.fill_masks()  constrained samples (structured outputs, structured_output.py):
+                               llguidance fills each one's allowed-token bitmask, in parallel;
+                               the SchedulerOutput carries them (token_masks)
         Runner.execute()       picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
                                4, ... prefill segments: ~12 programs), builds its padded arrays
                                (batch.py) and calls the jitted
                                step(params, kv_pages, batch) -> (tokens, kv_pages), kv_pages
                                donated: model forward over the paged KV pool, then sampling
+                               (the masks first, then bias, penalties, temperature, truncation)
         Scheduler.update()     advances each request, registers its full pages in the prefix
                                cache, appends its token, forks the other samples of a prompt,
                                finishes and frees the pages of requests that hit EOS, a stop id
                                or max_tokens
+        matcher.consume_token() moves each constrained sample's grammar on; a complete grammar
+                               ends the sample (stop), a dead end fails its request
         SampleText.add()       extends each sample's text; stop strings end it
     -> RequestOutput per request that moved; `step_observer`, if set, gets the step's StepTimes
 
@@ -28,7 +34,8 @@ PageAllocator per slice, each on its own part of the pool, and places each new r
 least-loaded one; the runner lays the slices out side by side. Over several processes, process 0's
 runner sends every device call to the others, which replay it (`jaxserve.distributed`).
 
-Host-side modules (request, page_allocator, scheduler, data_slices, scheduler_output) use no JAX; device work
+Host-side modules (request, page_allocator, scheduler, data_slices, scheduler_output,
+structured_output) use no JAX; device work
 is in batch (array layout), step, sampler and the models package. There are no prefill and decode
 phases: every request has `num_computed_tokens`, and a step computes some of what is left.
 """

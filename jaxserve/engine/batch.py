@@ -73,19 +73,20 @@ class BatchLayout:
         """Arrays for `bucket` in each of `num_slices` slices, and the sequence sampled at each
         logit row (None: padding)."""
         if num_slices == 1:
-            return self._build_slice(output.sequences, bucket)
+            return self._build_slice(output.sequences, bucket, output.token_masks)
         by_slice = [[] for _ in range(num_slices)]
         for s in output.sequences:
             by_slice[s.data_slice].append(s)
         slice_tokens = bucket.num_tokens(self.segment)
         inputs, rows = [], []
         for i, sequences in enumerate(by_slice):
-            step, slice_rows = self._build_slice(sequences, bucket)
+            step, slice_rows = self._build_slice(sequences, bucket, output.token_masks)
             inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens))
             rows += slice_rows
         return jax.tree.map(lambda *parts: np.concatenate(parts), *inputs), rows
 
-    def _build_slice(self, sequences, bucket: Bucket) -> tuple[StepInput, list[ScheduledSequence | None]]:
+    def _build_slice(self, sequences, bucket: Bucket,
+                     token_masks) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
         num_tokens = bucket.num_tokens(seg)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -118,7 +119,7 @@ class BatchLayout:
         ragged = _ragged_rows(chunks, gd + 2 * gp + 1, self.table_width) if self.ragged_rows else None
         attention = AttentionMetadata(positions=positions, slot_mapping=slots,
                                       decode=decode.group(), prefill=prefill.group(), ragged=ragged)
-        sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width)
+        sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width, token_masks)
         return StepInput(token_ids, attention, logits_index, sampling), rows
 
 

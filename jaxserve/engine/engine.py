@@ -1,8 +1,10 @@
 """`LLMEngine`: requests in, one step at a time, outputs back.
 
 `step()` is the whole loop: the scheduler picks this step's sequences and token counts, the
-runner computes them on the device and samples, the scheduler advances the requests and frees
-the pages of finished ones, and each sample's text is extended (stop strings applied).
+constrained ones get their allowed-token masks, the runner computes them on the device and
+samples, the scheduler advances the requests and frees the pages of finished ones, the
+constrained samples' grammars take their tokens, and each sample's text is extended (stop
+strings applied).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
 from jaxserve.engine.runner import Followers, Runner
 from jaxserve.engine.sampler import row_seed
+from jaxserve.engine.structured_output import Grammars
 from jaxserve.engine.scheduler import SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
@@ -55,6 +58,7 @@ class StepTimes:
     num_seqs: int
     num_tokens: int
     schedule: float    # Scheduler.schedule
+    masks: float       # the constrained sequences' allowed-token masks (structured outputs)
     prepare: float     # page copies launched, the step's host arrays built
     device: float      # the step's arrays sent, the step run, its tokens read back
     update: float      # Scheduler.update: requests advanced, pages cached and freed
@@ -62,7 +66,7 @@ class StepTimes:
 
     @property
     def host(self) -> float:
-        return self.schedule + self.prepare + self.update + self.outputs
+        return self.schedule + self.masks + self.prepare + self.update + self.outputs
 
 
 def _step_kind(output: SchedulerOutput) -> str:
@@ -140,6 +144,9 @@ class LLMEngine:
                              attention_backend=config.attention_backend, followers=followers,
                              kv_cache_dtype=config.kv_cache_dtype)
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
+                                 config.max_structured_output_bytes)
+        self._matchers: dict = {}   # sample id -> its grammar's matcher (structured outputs)
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
@@ -177,6 +184,8 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         self._check_sampling(params)
+        constraint = params.structured_outputs
+        grammar = self.grammars.grammar(constraint) if constraint is not None else None
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         num_samples = params.num_samples
         samples = [
@@ -188,6 +197,8 @@ class LLMEngine:
         texts = [SampleText(self.tokenizer, params.stop, params.skip_special_tokens) for _ in samples]
         self.scheduler.add(samples[0], forks=samples[1:])
         self._groups[request_id] = _Group(text, list(token_ids), samples, texts)
+        if grammar is not None:
+            self._matchers.update((s.request_id, self.grammars.matcher(grammar)) for s in samples)
         return request_id
 
     def _check_sampling(self, params: SamplingParams) -> None:
@@ -234,6 +245,7 @@ class LLMEngine:
         if group is None:
             return None
         for sample, text in zip(group.samples, group.texts):
+            self._matchers.pop(sample.request_id, None)
             if not sample.is_finished:
                 self.scheduler.abort(sample.request_id)
                 text.finish()
@@ -257,6 +269,8 @@ class LLMEngine:
         if output.is_empty:
             return []
         scheduled = time.perf_counter()
+        output = self._with_token_masks(output)
+        masked = time.perf_counter()
         try:
             sampled, logprobs = self.runner.execute(output)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
@@ -269,9 +283,31 @@ class LLMEngine:
             prepare = self.runner.last_prepare_s
             self.step_observer(StepTimes(
                 _step_kind(output), len(output.sequences), sum(s.num_tokens for s in output.sequences),
-                scheduled - started, prepare, executed - scheduled - prepare, updated - executed,
-                time.perf_counter() - updated))
+                scheduled - started, masked - scheduled, prepare, executed - masked - prepare,
+                updated - executed, time.perf_counter() - updated))
         return results
+
+    def _with_token_masks(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The step with the allowed-token mask of each constrained sequence that samples in it."""
+        constrained = [s.request_id for s in output.sequences if s.samples and s.request_id in self._matchers]
+        if not constrained:
+            return output
+        masks = self.grammars.fill_masks([self._matchers[i] for i in constrained])
+        return dataclasses.replace(output, token_masks=dict(zip(constrained, masks)))
+
+    def _constrain(self, sample: Request, token: int) -> str | None:
+        """Moves an unfinished constrained sample's grammar past its new token: finishes the sample
+        (stop) when the grammar is complete; returns an error message when the token does not fit
+        (the grammar allowed no token the sampler could take)."""
+        matcher = self._matchers.get(sample.request_id)
+        if matcher is None or sample.is_finished:
+            return None
+        if not matcher.consume_token(token):
+            return (f"structured output: the constraint allows no continuation after "
+                    f"{len(sample.output_token_ids) - 1} tokens ({matcher.get_error() or f'token {token} rejected'})")
+        if matcher.is_stopped():
+            self.scheduler.abort(sample.request_id, FinishReason.STOP)
+        return None
 
     def _outputs(self, sample_ids: set[str], sampled: dict[str, int],
                  logprobs: dict[str, TokenLogprob]) -> list[RequestOutput]:
@@ -282,17 +318,28 @@ class LLMEngine:
                 if sample.request_id not in sample_ids:
                     continue
                 touched = True
+                token = sampled[sample.request_id]
                 if sample.request_id in logprobs:
                     sample_logprobs.append(logprobs[sample.request_id])
-                if text.add(sampled[sample.request_id]) and not sample.is_finished:
+                group.error = group.error or self._constrain(sample, token)
+                if text.add(token) and not sample.is_finished:
                     self.scheduler.abort(sample.request_id, FinishReason.STOP)
                 if sample.is_finished:
                     text.finish()
+                    self._matchers.pop(sample.request_id, None)
+            if group.error:
+                self._fail_group(group)
             if touched and (group.streams or group.finished):
                 results.append(group.output(request_id))
                 if group.finished:
                     del self._groups[request_id]
         return results
+
+    def _fail_group(self, group: _Group) -> None:
+        """Ends every sample of a request whose `error` is set; their pages return to the pool."""
+        for sample in group.samples:
+            self._matchers.pop(sample.request_id, None)
+            self.scheduler.abort(sample.request_id, FinishReason.ERROR)
 
     def _fail_step(self, output, error: Exception) -> list[RequestOutput]:
         """Fails the requests of a step that raised (all running ones if the pool was lost)."""
@@ -305,9 +352,8 @@ class LLMEngine:
         results = []
         for request_id, group in list(self._groups.items()):
             if any(s.request_id in failed for s in group.samples):
-                for sample in group.samples:
-                    self.scheduler.abort(sample.request_id, FinishReason.ERROR)
                 group.error = f"engine step failed: {type(error).__name__}: {error}"
+                self._fail_group(group)
                 results.append(group.output(request_id))
                 del self._groups[request_id]
         if pool_lost:

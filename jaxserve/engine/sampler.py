@@ -1,11 +1,11 @@
-"""Token sampling on the device: logit bias, min_tokens, penalties, greedy, temperature, top-k,
-top-p, min-p, per-request seeds, and logprobs.
+"""Token sampling on the device: structured-output masks, logit bias, min_tokens, penalties, greedy,
+temperature, top-k, top-p, min-p, per-request seeds, and logprobs.
 
 Each row's randomness comes only from its own seed and the index of the token it samples, so a
 seeded request gives the same tokens whatever else is in the batch. Every optional stage
 (penalties, truncation, logprobs, randomness) runs only when some row asks for it.
 
-Order, as vLLM's: logit_bias and min_tokens' suppression of EOS/stop ids, then the repetition
+Order, as vLLM's: the allowed-token mask of a constrained row (structured outputs), logit_bias and min_tokens' suppression of EOS/stop ids, then the repetition
 penalty (over prompt and output tokens), frequency and presence penalties (over output tokens),
 then greedy argmax or temperature and truncation. Logprobs are of the raw model distribution.
 """
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.engine.structured_output import mask_width
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 20   # bias entries per row: logit_bias, then suppressed ids
@@ -37,6 +38,8 @@ class SamplingTensors:
     history: jax.Array      # [S, H] int32: prompt then output token ids, vocab_size = unused
     num_prompt: jax.Array   # [S] int32: how many of `history` are prompt tokens
     logprobs: jax.Array     # [S] bool: compute the sampled token's logprob and the top ones
+    allowed: jax.Array      # [S, ceil(vocab / 32)] int32 bits: token t may be sampled if bit t % 32 of
+                            # word t // 32 is set; all bits set (-1) for unconstrained rows
 
 
 @struct.dataclass
@@ -59,6 +62,7 @@ def sample(logits: jax.Array, s: SamplingTensors) -> Samples:
     """logits [S, vocab] float32 -> the sampled tokens and, for rows that ask, their logprobs."""
     raw = logits
     rows = jnp.arange(logits.shape[0])[:, None]
+    logits = jax.lax.cond(jnp.any(s.allowed != -1), _mask, lambda x, _: x, logits, s.allowed)
     logits = logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
     penalizes = jnp.any((s.presence != 0) | (s.frequency != 0) | (s.repetition != 1))
     logits = jax.lax.cond(penalizes, _penalize, lambda x, _: x, logits, s)
@@ -74,6 +78,12 @@ def sample(logits: jax.Array, s: SamplingTensors) -> Samples:
     sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
     tokens = jnp.where(s.temperature == 0, greedy, sampled)
     return jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
+
+
+def _mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    keep = bits.reshape(allowed.shape[0], -1)[:, :logits.shape[-1]].astype(jnp.bool_)
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def _penalize(logits: jax.Array, s: SamplingTensors) -> jax.Array:
@@ -122,8 +132,9 @@ def _truncate(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
 
 
 def _bisect(values: jax.Array, enough, steps: int = 48) -> jax.Array:
-    """Per row, the largest t with `enough(values >= t)`, given that the row's minimum qualifies."""
-    lo, hi = values.min(-1), values.max(-1) + 1.0
+    """Per row, the largest t with `enough(values >= t)`, given that the row's smallest finite value
+    qualifies (masked tokens are -inf: bisecting from -inf would give NaN and keep every token)."""
+    lo, hi = jnp.where(values > -jnp.inf, values, jnp.inf).min(-1), values.max(-1) + 1.0
 
     def halve(_, bounds):
         lo, hi = bounds
@@ -134,9 +145,11 @@ def _bisect(values: jax.Array, enough, steps: int = 48) -> jax.Array:
     return jax.lax.fori_loop(0, steps, halve, (lo, hi))[0]
 
 
-def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: int) -> SamplingTensors:
+def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: int,
+                     token_masks: dict[str, np.ndarray] | None = None) -> SamplingTensors:
     """Host arrays for `num_rows` rows from `rows`: per row a `ScheduledSequence` (anything with its
-    params, seed, num_output_tokens, prompt/output/suppressed token ids) or None (padding: greedy)."""
+    request_id, params, seed, num_output_tokens, prompt/output/suppressed token ids) or None
+    (padding: greedy). `token_masks`: the packed allowed-token mask of each constrained row, by id."""
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
@@ -150,6 +163,7 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
     history = np.full((num_rows, history_width), vocab_size, np.int32)
     num_prompt = np.zeros(num_rows, np.int32)
     logprobs = np.zeros(num_rows, np.bool_)
+    allowed = np.full((num_rows, mask_width(vocab_size)), -1, np.int32)
     for i, row in enumerate(rows):
         if row is None:
             continue
@@ -166,5 +180,7 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
             history[i, :num_prompt[i]] = row.prompt_token_ids
             history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
         logprobs[i] = p.logprobs is not None or p.num_samples > p.n
+        if token_masks and row.request_id in token_masks:
+            allowed[i] = token_masks[row.request_id]
     return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,
-                           repetition, history, num_prompt, logprobs)
+                           repetition, history, num_prompt, logprobs, allowed)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -36,6 +36,9 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()
     page_copies: tuple[tuple[int, int], ...] = ()   # (source, destination) pages, copied before the step
                                                     # (global ids: slice * pages_per_slice + page)
+    token_masks: Mapping[str, Sequence[int]] | None = None  # id -> packed allowed tokens of each constrained
+                                                    # sampling sequence ([ceil(vocab / 32)] int32), added by
+                                                    # the engine from the samples' grammars
 
     @property
     def num_tokens(self) -> int:

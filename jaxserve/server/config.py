@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -26,6 +28,8 @@ class ServerConfig:
     retry_after_s: int = 1                # the Retry-After of a 503
     log_level: str = "info"
     compile_cache_dir: str | None = None  # JAX's persistent cache; None: jaxserve.compile_cache.default_dir()
+    enable_auto_tool_choice: bool = False # let the model choose to call tools (tool_choice "auto")
+    tool_call_parser: str | None = None   # how the model writes calls: hermes, llama3_json
 
     def __post_init__(self):
         _require(0 <= self.port < 65536, f"port={self.port} must be in [0, 65535]")
@@ -35,6 +39,10 @@ class ServerConfig:
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         _require(self.retry_after_s >= 0, f"retry_after_s={self.retry_after_s} must be >= 0")
         _require(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r} is not one of {LOG_LEVELS}")
+        _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+                 f"tool_call_parser={self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
+        _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+                 "enable_auto_tool_choice needs a tool_call_parser (one of " + ", ".join(TOOL_CALL_PARSERS) + ")")
 
 
 def model_name(model: str | None) -> str:

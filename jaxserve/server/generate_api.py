@@ -16,7 +16,7 @@ from jaxserve.server.serving import (
 async def generate(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, GenerateRequest)
-    params = context.sampling_params(body, body.max_tokens)
+    params = await context.sampling_params(body, body.max_tokens)
     streams = await admit(context.engine, [body.prompt], params, f"gen-{uuid.uuid4().hex}", body.priority)
     if body.stream:
         return await _stream(request, streams, params.n)

@@ -1,4 +1,5 @@
-"""`POST /v1/completions` and `POST /v1/chat/completions`, following OpenAI's schemas."""
+"""`POST /v1/completions` and `POST /v1/chat/completions`, following OpenAI's schemas (chat's
+tools: `tool_calls`)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from jaxserve.engine.output import CompletionOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.openai_protocol import (
-    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, Delta)
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice,
+    CompletionChoice, CompletionRequest, CompletionResponse, Delta)
 from jaxserve.server.serving import (
     CONTEXT, ChoiceDelta, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body,
     usage)
+from jaxserve.server.tool_calls import ToolReply, conversation
 from jaxserve.tokenizer import chat_prompt_ids
 
 
@@ -26,7 +28,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, CompletionRequest)
     context.check_model(body.model)
-    params = context.sampling_params(body, body.max_new_tokens())
+    params = await context.sampling_params(body, body.max_new_tokens())
     texts = TokenTexts(context.engine.loaded().tokenizer)
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=context.model_name)
     streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority)
@@ -72,32 +74,45 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, ChatCompletionRequest)
     context.check_model(body.model)
-    params = context.sampling_params(body, body.max_new_tokens())
+    parser = context.config.tool_call_parser
+    if body.tool_mode() == "auto" and not context.config.enable_auto_tool_choice:
+        raise InvalidRequestError("tool_choice", "tool_choice 'auto' (the default with tools) needs the server "
+                                                 "started with --enable-auto-tool-choice and --tool-call-parser; "
+                                                 "send tool_choice 'required', 'none' or a named function")
+    params = await context.sampling_params(body, body.max_new_tokens())
     tokenizer = context.engine.loaded().tokenizer
-    prompt = chat_prompt(tokenizer, body.messages)
+    prompt = chat_prompt(tokenizer, *conversation(body, tokenizer.chat_template, parser))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=context.model_name)
     streams = await admit(context.engine, [prompt], params, head["id"], body.priority)
     texts = TokenTexts(tokenizer)
     if body.stream:
-        return await _stream_chat(request, body, streams, head, params.n, texts)
+        return await _stream_chat(request, body, streams, head, params.n, texts, parser)
     [output] = await final_outputs(streams)
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+    reply = ToolReply(body, parser)
+    choices = [ChatChoice(index=c.index, message=reply.message(c.text),
+                          finish_reason=reply.finish_reason(c.text, c.finish_reason),
                           logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts))
                for c in output.outputs]
     return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output])))
 
 
 async def _stream_chat(request: web.Request, body: ChatCompletionRequest, streams: Sequence[RequestStream],
-                       head: dict, n: int, texts: TokenTexts) -> web.StreamResponse:
+                       head: dict, n: int, texts: TokenTexts, parser: str | None) -> web.StreamResponse:
     deltas, finals = TextDeltas(n), []
+    replies = [ToolReply(body, parser) for _ in range(n)]
     async with EventStream(request) as events:
         for choice in range(n):
             await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
                 index=choice, delta=Delta(role="assistant", content=""))]))
         async for _, output in merged(streams):
             for delta in deltas.updates(0, output):
+                reply = replies[delta.choice]
+                message = reply.delta(delta.text, delta.finish_reason is not None)
+                if message is None and delta.finish_reason is None:
+                    continue
                 await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
-                    index=delta.choice, delta=Delta(content=delta.text or None), finish_reason=delta.finish_reason,
+                    index=delta.choice, delta=message or Delta(),
+                    finish_reason=reply.finish_reason(reply.text, delta.finish_reason),
                     logprobs=chat_logprobs(delta.logprobs, texts) if delta.logprobs else None)]))
             if output.finished:
                 finals.append(output)
@@ -106,12 +121,9 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
     return events.response
 
 
-def chat_prompt(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The conversation through the tokenizer's chat template, ready for the assistant's reply."""
-    # "developer" is OpenAI's newer name for "system"; templates know only the latter.
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in messages]
     try:
-        return chat_prompt_ids(tokenizer, conversation)
+        return chat_prompt_ids(tokenizer, messages, tools)
     except jinja2.TemplateError as error:
         raise InvalidRequestError("messages", f"the chat template rejected the messages: {error}") from None

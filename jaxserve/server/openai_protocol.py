@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.engine.request import FinishReason   # "error" never reaches a body: a failed request is an error reply
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -40,6 +40,20 @@ class _Request(BaseModel):
                 raise InvalidRequestError(name, f"{name}={value!r} is not supported yet (only {neutral!r})")
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: the text must match exactly one of these."""
+
+    json_: dict | str | None = Field(None, alias="json", description="A JSON schema (an object, or its text).")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, description="The text is exactly one of these strings.")
+    grammar: str | None = Field(None, description="A Lark grammar, or GBNF as llama.cpp writes it.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=bool(self.json_object))
+
+
 class SamplingFields(_Request):
     """Sampling fields shared by every generation endpoint (OpenAI's and vLLM's extras)."""
 
@@ -59,6 +73,12 @@ class SamplingFields(_Request):
         1.0, description="vLLM's: divides the logits of tokens seen in the prompt or output (1 = off).")
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="Token id (a decimal string) -> bias in [-100, 100], added to its logit.")
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs: clients still send them, so they are honoured.
+    guided_json: dict | str | None = Field(None, description="As structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="As structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="As structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="As structured_outputs.grammar.")
     priority: int = Field(0, description="Lower runs sooner under --scheduling-policy priority (first come, "
                                          "first served within a level); no effect under fcfs.")
     stream: bool | None = False
@@ -73,7 +93,28 @@ class SamplingFields(_Request):
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
             logit_bias=token_bias(self.logit_bias or {}, vocab_size),
-            logprobs=self.num_logprobs(), best_of=self.samples_to_rank())
+            logprobs=self.num_logprobs(), best_of=self.samples_to_rank(), structured_outputs=self.constraint())
+
+    def constraints(self) -> dict[str, StructuredOutputsParams]:
+        """The structured-output constraints the body gives, by the field that gives each."""
+        given = {}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs.params()
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given[f"guided_{kind}"] = StructuredOutputsParams(**{kind: value})
+        return given
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        given = self.constraints()
+        if len(given) > 1:
+            raise InvalidRequestError(list(given)[1], f"{' and '.join(given)} each constrain the output: give one")
+        return next(iter(given.values()), None)
+
+    def constraint_field(self) -> str | None:
+        """The field that gave the constraint, for errors found when it is compiled."""
+        return next(iter(self.constraints()), None)
 
     def num_logprobs(self) -> int | None:
         """Top logprobs per token the reply shows (None: no logprobs at all)."""
@@ -100,6 +141,20 @@ def token_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     return by_id
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="The JSON schema; none: any JSON object.")
+    strict: bool | None = Field(None, description="Always honoured: the output matches the schema exactly.")
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Request):
     include_usage: bool | None = False
 
@@ -109,7 +164,22 @@ class _OpenAIRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
+
+    def constraints(self) -> dict[str, StructuredOutputsParams]:
+        given = super().constraints()
+        form = self.response_format
+        if form is None or form.type == "text":
+            return given
+        if form.type == "json_object":
+            return {"response_format": StructuredOutputsParams(json_object=True), **given}
+        if form.json_schema is None:
+            raise InvalidRequestError("response_format.json_schema",
+                                      "response_format type 'json_schema' needs a json_schema object")
+        schema = form.json_schema.schema_
+        constraint = StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
+        return {"response_format": constraint, **given}
 
     @property
     def include_usage(self) -> bool:
@@ -153,15 +223,50 @@ class CompletionRequest(_OpenAIRequest):
         return list(self.prompt)
 
 
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = Field(None, description="A JSON schema of the arguments object.")
+    strict: bool | None = Field(None, description="Always honoured when the call is constrained "
+                                                  "(tool_choice required or a named function).")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object's text.")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier calls.")
+    tool_call_id: str | None = Field(None, description="A tool message's: the call it answers.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -173,14 +278,54 @@ class ChatCompletionRequest(_OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = Field(None, description="Needs logprobs=true.")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools (needs --enable-auto-tool-choice), none without.")
+    parallel_tool_calls: bool | None = Field(True, description="False: at most one call per reply.")
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        choice = self.tool_mode()
+        names = [t.function.name for t in self.tools or ()]
+        if choice != "none" and not names:
+            raise InvalidRequestError("tool_choice", f"tool_choice={self.tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise InvalidRequestError("tool_choice", f"tool_choice names the function "
+                                                     f"{self.tool_choice.function.name!r}, which is not among "
+                                                     f"the tools: {names}")
+
+    def tool_mode(self) -> str:
+        """none, auto, required, or named (tool_choice names one function)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def constraints(self) -> dict[str, StructuredOutputsParams]:
+        given = super().constraints()
+        mode = self.tool_mode()
+        if mode == "named":
+            [tool] = [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+            return {"tool_choice": StructuredOutputsParams(json=tool.function.parameters or {"type": "object"}),
+                    **given}
+        if mode == "required":
+            return {"tool_choice": StructuredOutputsParams(json=calls_schema(self.tools, self.parallel_tool_calls)),
+                    **given}
+        return given
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:
+    """The JSON a reply to tool_choice "required" must be: a list of calls, each a tool's name and
+    arguments that match its parameters."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"const": t.function.name},
+                             "parameters": t.function.parameters or {"type": "object"}}} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {**schema, "maxItems": 1} if parallel is False else schema
 
 
 class GenerateRequest(SamplingFields):
@@ -229,7 +374,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class TopLogprob(BaseModel):
@@ -246,11 +392,14 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+ChatFinishReason = FinishReason | Literal["tool_calls"]   # tool_calls: the reply is calls
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -262,17 +411,32 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=lambda v: v is None)
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: its id, type and name come first, its arguments in pieces."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda v: v is None)
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     # Left out of the JSON when unset, as OpenAI does: the role comes only in a choice's first chunk.
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
     content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -42,8 +42,10 @@ class ServerContext:
             raise APIError(400, f"model={model!r} is not served here; the served model is {self.model_name!r}",
                            "model", "model_not_found")
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
-        """The body's sampling parameters, checked against --max-n and the model's vocabulary."""
+    async def sampling_params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+        """The body's sampling parameters, checked against --max-n and the model's vocabulary, its
+        structured-output constraint compiled (off the event loop and the engine thread; the
+        engine then finds it cached)."""
         max_n = self.config.max_n
         n = body.n or 1
         if n > max_n:
@@ -52,6 +54,12 @@ class ServerContext:
         if params.best_of is not None and params.best_of > max_n:
             raise InvalidRequestError("best_of", f"best_of={params.best_of} is out of range: must be in "
                                                  f"[n={n}, {max_n}] (--max-n)")
+        if params.structured_outputs is not None:
+            grammars = self.engine.loaded().grammars
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, grammars.grammar, params.structured_outputs)
+            except InvalidRequestError as error:
+                raise InvalidRequestError(body.constraint_field(), str(error)) from None
         return params
 
 

@@ -1,0 +1,109 @@
+"""Structured outputs: a grammar per constrained sample, and each step's allowed-token masks.
+
+llguidance does the grammar work: it compiles JSON schemas, regexes, choices and Lark/GBNF
+grammars against the tokenizer, tracks each sample's position in its grammar (a matcher), and
+fills a packed bitmask of the tokens that may come next, in parallel over rows (its own threads,
+without the GIL). The sampler applies the mask before anything else (`jaxserve.engine.sampler`).
+
+A compiled grammar is cached by its constraint, so a schema sent with every request is compiled
+once. A matcher only ever moves forward with the sample's tokens: preemption recomputes the KV
+cache, not the tokens, so the matcher survives it unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import numpy as np
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+# JSON on one line, spaced as json.dumps writes it: a flexible-whitespace grammar lets a small
+# model emit newlines until max_tokens instead of closing the object.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_GRAMMAR_CACHE_SIZE = 256
+_WHAT = {"json": "the JSON schema", "regex": "the regex", "choice": "the choices", "grammar": "the grammar",
+         "json_object": "the JSON object grammar"}
+
+
+def mask_width(vocab_size: int) -> int:
+    """int32 words per row of a packed token mask: one bit per token, token t in word t // 32."""
+    return (vocab_size + 31) // 32
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer and fills the allowed-token masks of a step."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_bytes: int):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_bytes = max_bytes
+        self._compiled = functools.lru_cache(_GRAMMAR_CACHE_SIZE)(self._compile)
+
+    @functools.cached_property
+    def _llg(self):
+        """llguidance's tokenizer (about a second to build: only once a request asks for a constraint)."""
+        import llguidance
+        import llguidance.hf
+
+        tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                 eos_token=list(self.eos_token_ids))
+        return llguidance, tokenizer, llguidance.LLExecutor()
+
+    def grammar(self, constraint: StructuredOutputsParams) -> str:
+        """The llguidance grammar of `constraint`, compiled and checked; InvalidRequestError naming
+        the field and llguidance's message when it does not compile."""
+        field, what = f"structured_outputs.{constraint.kind}", _WHAT[constraint.kind]
+        size = len((constraint.json or constraint.regex or constraint.grammar or "").encode())
+        size += sum(len(c.encode()) for c in constraint.choice or ())
+        if size > self.max_bytes:
+            raise InvalidRequestError(field, f"{what} is {size} bytes; at most {self.max_bytes} are allowed "
+                                             f"(--max-structured-output-bytes)")
+        return self._compiled(constraint)
+
+    def _compile(self, constraint: StructuredOutputsParams) -> str:
+        llguidance, tokenizer, _ = self._llg
+        field, what = f"structured_outputs.{constraint.kind}", _WHAT[constraint.kind]
+        try:
+            grammar = _grammar_text(llguidance, constraint)
+        except ValueError as error:
+            raise InvalidRequestError(field, f"{what} is invalid: {error}") from None
+        message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if message and not message.startswith("WARNING"):
+            raise InvalidRequestError(field, f"{what} does not compile: {message.strip()}")
+        return grammar
+
+    def matcher(self, grammar: str):
+        """A fresh matcher: one per sample, at the grammar's start."""
+        llguidance, tokenizer, _ = self._llg
+        return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+
+    def fill_masks(self, matchers: list) -> np.ndarray:
+        """[len(matchers), mask_width] int32: the tokens each matcher allows next, filled in parallel."""
+        import llguidance.numpy
+
+        _, _, executor = self._llg
+        masks = np.zeros((len(matchers), mask_width(self.vocab_size)), np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], masks)
+        return masks
+
+
+def _grammar_text(llguidance, constraint: StructuredOutputsParams) -> str:
+    if constraint.json is not None:
+        schema = json.loads(constraint.json)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    if constraint.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if constraint.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+    if constraint.choice is not None:
+        return llguidance.grammar_from("choice", list(constraint.choice))
+    return llguidance.grammar_from("grammar", constraint.grammar)   # Lark or GBNF, told apart by llguidance

@@ -1,0 +1,134 @@
+"""Structured outputs in the engine: grammars compiled and cached, masks obeyed token by token.
+
+The tiny random model picks its tokens at random, so whatever it writes that fits a constraint
+fits because of the mask.
+"""
+
+import json
+import re
+
+import jsonschema_rs
+import llguidance.numpy
+import numpy as np
+import pytest
+
+from jaxserve.engine.structured_output import Grammars
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams as Constraint
+from server_fixtures import pool_is_full, tiny_engine  # noqa: F401 - fixture
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pets": {"type": "array", "maxItems": 3, "items": {"enum": ["cat", "dog"]}}}}
+
+
+def run(engine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=request_id)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    return finished
+
+
+def allowed_ids(mask_row: np.ndarray) -> set[int]:
+    return set(np.unpackbits(mask_row.view(np.uint8), bitorder="little").nonzero()[0].tolist())
+
+
+def test_constrained_tokens_fit_a_fresh_matcher_and_the_neighbour_is_unchanged(tiny_engine):
+    engine = tiny_engine
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=100, structured_outputs=Constraint(json=PERSON))
+    plain = SamplingParams(temperature=0, max_tokens=30)
+    alone = run(engine, {"plain": ("Hello", plain)})["plain"].outputs[0].token_ids
+    outputs = run(engine, {"json": ("A person:", params), "plain": ("Hello", plain)})
+    assert outputs["plain"].outputs[0].token_ids == alone
+    [sample] = outputs["json"].outputs
+    assert sample.finish_reason == "stop"
+    jsonschema_rs.validate(PERSON, json.loads(sample.text))
+    # Replayed through llguidance on its own, every sampled token was allowed where it was sampled.
+    grammars = engine.grammars
+    matcher = grammars.matcher(grammars.grammar(params.structured_outputs))
+    for token in sample.token_ids:
+        assert token in allowed_ids(grammars.fill_masks([matcher])[0])
+        assert matcher.consume_token(token)
+    assert matcher.is_stopped() and pool_is_full(engine)
+
+
+@pytest.mark.parametrize("constraint, pattern", [
+    (Constraint(regex=r"\d{4}-\d{2}-\d{2}"), r"\d{4}-\d{2}-\d{2}"),
+    (Constraint(regex=r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"), r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"),
+    (Constraint(choice=("red", "green", "blue")), r"red|green|blue"),
+    (Constraint(grammar='start: "yes" | "no" | NUMBER\nNUMBER: /[0-9]{1,3}/'), r"yes|no|[0-9]{1,3}"),
+    (Constraint(grammar='root ::= "(" [a-c]+ ")"'), r"\([a-c]+\)"),    # GBNF
+])
+def test_each_kind_of_constraint_is_obeyed_by_every_sample(tiny_engine, constraint, pattern):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=60, structured_outputs=constraint)
+    [output] = run(tiny_engine, {"r": ("Answer:", params)}).values()
+    for sample in output.outputs:
+        assert sample.finish_reason == "stop", sample
+        assert re.fullmatch(pattern, sample.text), sample.text
+    assert pool_is_full(tiny_engine)
+
+
+def test_max_tokens_cuts_a_constraint_short_with_length(tiny_engine):
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=Constraint(json=PERSON))
+    [sample] = run(tiny_engine, {"r": ("A person:", params)})["r"].outputs
+    assert sample.finish_reason == "length" and sample.text.startswith('{"name": "')
+
+
+def test_a_dead_end_fails_its_request_and_the_engine_goes_on(tiny_engine):
+    # The only token the choice allows is also a stop id, suppressed below min_tokens: nothing fits.
+    [seven] = tiny_engine.tokenizer.encode("7", add_special_tokens=False)
+    stuck = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=(seven,),
+                           structured_outputs=Constraint(choice=("7",)))
+    outputs = run(tiny_engine, {"stuck": ("Pick:", stuck), "fine": ("Hello", SamplingParams(max_tokens=6))})
+    assert "constraint allows no continuation" in outputs["stuck"].error
+    assert outputs["fine"].error is None and len(outputs["fine"].outputs[0].token_ids) == 6
+    assert pool_is_full(tiny_engine)
+
+
+def test_grammars_are_compiled_once_per_constraint(tiny_engine):
+    grammars = tiny_engine.grammars
+    first = grammars.grammar(Constraint(json=dict(PERSON)))
+    assert grammars.grammar(Constraint(json=json.dumps(PERSON))) is first
+
+
+@pytest.mark.parametrize("constraint, field, message", [
+    (Constraint(regex="a(b"), "structured_outputs.regex", "unclosed group"),
+    (Constraint(json='{"type": "frobnicate"}'), "structured_outputs.json", "frobnicate"),
+    (Constraint(json="[1, 2]"), "structured_outputs.json", "must be a JSON object"),
+    (Constraint(json="{not json"), "structured_outputs.json", "invalid"),
+    (Constraint(grammar="start: undefined_rule"), "structured_outputs.grammar", "undefined_rule"),
+    (Constraint(regex="x" * 70000), "structured_outputs.regex", "--max-structured-output-bytes"),
+])
+def test_bad_constraints_are_refused_naming_the_field(tiny_engine, constraint, field, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
+        tiny_engine.add_request("Hi", SamplingParams(structured_outputs=constraint))
+    assert error.value.param == field
+    assert not tiny_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({}, "give exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "give exactly one of"),
+    ({"choice": []}, "give at least one choice"),
+])
+def test_a_constraint_names_exactly_one_kind(fields, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        Constraint(**fields)
+
+
+def test_masks_fill_in_parallel_as_one_by_one(smollm2_tokenizer):
+    grammars = Grammars(smollm2_tokenizer, 49152, (2,), 65536)
+    grammar = grammars.grammar(Constraint(json=PERSON))
+    matchers = [grammars.matcher(grammar) for _ in range(3)]
+    for matcher, text in zip(matchers, ['{"name": "Al', '{"name": "Bo", "age": 4', '']):
+        assert matcher.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
+    masks = grammars.fill_masks(matchers)
+    for matcher, mask in zip(matchers, masks):
+        one = llguidance.numpy.allocate_token_bitmask(1, 49152)
+        llguidance.numpy.fill_next_token_bitmask(matcher, one)
+        assert (mask == one[0]).all()
+    starts = {smollm2_tokenizer.decode([t]) for t in allowed_ids(masks[2])}
+    assert starts and all(text.startswith("{") for text in starts)
