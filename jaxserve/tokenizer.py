@@ -64,9 +64,11 @@ class IncrementalDetokenizer:
         return piece
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a conversation through the tokenizer's chat template, ready for the reply;
-    `tools` (OpenAI function definitions) for a template that renders them."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the reply
+    unless `add_generation_prompt` is false; `tools` (OpenAI function definitions) for a template
+    that renders them."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, return_dict=False)
     return [int(i) for i in ids]

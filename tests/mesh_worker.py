@@ -21,7 +21,7 @@ from jaxserve.engine.engine import LLMEngine  # noqa: E402
 from jaxserve.engine.kv_pages import allocate, resolve_kv_dtype  # noqa: E402
 from jaxserve.engine.runner import Runner  # noqa: E402
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from jaxserve.sharding import KV_POOL_SPEC, mesh_from_config, sharding_for  # noqa: E402
 
 PAGE_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 37, 16
@@ -71,10 +71,14 @@ def engine_tokens(model, mesh: str) -> np.ndarray:
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Once upon a time"]
     ids = [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=32, ignore_eos=True))
            for p in prompts for t in (0.0, 0.8)]
+    # Constrained samples beside them (structured outputs' masks laid out over the data slices too).
+    words = StructuredOutputsParams(regex="[A-Za-z]+( [A-Za-z]+){0,12}")
+    ids += [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=32, structured_outputs=words))
+            for p in prompts[:2] for t in (0.0, 0.8)]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return np.array([done[i] for i in ids])
+    return np.array([done[i] + [-1] * (32 - len(done[i])) for i in ids])   # -1: a constrained sample ended
 
 
 def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str) -> None:

@@ -16,13 +16,14 @@ import requests
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import Leader, follow
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server_fixtures import TINY_ENGINE, cli_flags, free_port, wait_until_healthy
 
 # Few step shapes: two processes compile them all, on two cores.
 SMALL_ENGINE = {**TINY_ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+WORDS = {"regex": "[a-z]+( [a-z]+){0,6}"}   # a constraint: the masks go to the follower too
 
 
 def _start_followers(address, count: int, replays: list[list]) -> list[threading.Thread]:
@@ -100,9 +101,9 @@ def _serve_command(directory, port: int, coordinator: str, process_id: int, cach
             "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache]
 
 
-def _greedy_tokens(url: str, prompt: str) -> list[int]:
+def _greedy_tokens(url: str, prompt: str, **extra) -> list[int]:
     reply = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                                   "ignore_eos": True}, timeout=120)
+                                                   "ignore_eos": True, **extra}, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["outputs"][0]["token_ids"]
 
@@ -112,6 +113,8 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     directory, _ = tiny_models("llama")
     engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+    ids.append(engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                             structured_outputs=StructuredOutputsParams(**WORDS))))
     expected = {}
     while engine.has_unfinished_requests():
         expected.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
@@ -124,7 +127,8 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, processes[0], timeout=600)
-        assert [_greedy_tokens(url, p) for p in PROMPTS] == [expected[i] for i in ids]
+        assert [_greedy_tokens(url, p) for p in PROMPTS] + [
+            _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS)] == [expected[i] for i in ids]
 
         stream = requests.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 100,
                                                               "ignore_eos": True, "stream": True},

@@ -131,7 +131,11 @@ def test_api_key(server):
     check_error(requests.post(f"{server.url}/v1/completions", json=body, headers=wrong, timeout=30), 401, None,
                 "wrong API key")
     check_error(requests.get(f"{server.url}/v1/models", timeout=30), 401, None, "missing API key")
+    for path in ("/tokenize", "/detokenize", "/invocations"):
+        check_error(requests.post(f"{server.url}{path}", json={"prompt": "x"}, timeout=30), 401, None,
+                    "missing API key")
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert requests.get(f"{server.url}/ping", timeout=30).status_code == 200
     assert requests.post(f"{server.url}/v1/completions", json=body, headers=KEY, timeout=30).status_code == 200
 
 

@@ -232,3 +232,12 @@ def test_priority_reaches_the_engine_on_every_endpoint(server, tiny_engine, monk
                                                            "stream": stream}, timeout=60)
         assert reply.status_code == 200, reply.text
     assert seen == [-7, -7]
+
+
+def test_neutral_openai_fields_are_accepted_and_the_others_named(server):
+    neutral = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "user": "u",
+               "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True}
+    body = {"messages": CHAT, "max_tokens": 2, **neutral}
+    assert requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    reply = requests.post(f"{server.url}/v1/chat/completions", json={**body, "store": True}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "store"

@@ -132,3 +132,16 @@ def test_masks_fill_in_parallel_as_one_by_one(smollm2_tokenizer):
         assert (mask == one[0]).all()
     starts = {smollm2_tokenizer.decode([t]) for t in allowed_ids(masks[2])}
     assert starts and all(text.startswith("{") for text in starts)
+
+
+def test_best_of_logprobs_and_stop_strings_compose_with_a_constraint(tiny_engine):
+    choices = ("apple pie", "banana split", "cherry tart")
+    ranked = SamplingParams(n=1, best_of=3, temperature=1.0, seed=2, logprobs=2, max_tokens=20,
+                            structured_outputs=Constraint(choice=choices))
+    stopped = SamplingParams(temperature=0, max_tokens=40, stop=(" ",), structured_outputs=Constraint(choice=choices))
+    outputs = run(tiny_engine, {"ranked": ("Dessert:", ranked), "stopped": ("Dessert:", stopped)})
+    [best] = outputs["ranked"].outputs
+    assert best.text in choices and len(best.logprobs) == len(best.token_ids)
+    [cut] = outputs["stopped"].outputs
+    assert cut.finish_reason == "stop" and cut.text in {c.split(" ")[0] for c in choices}
+    assert pool_is_full(tiny_engine)

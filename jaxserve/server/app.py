@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
+import json
 import logging
 import time
 
@@ -24,7 +25,8 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.generate_api import generate
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.openai_api import chat_completions, completions
-from jaxserve.server.openai_protocol import Health, ModelCard, ModelList
+from jaxserve.server.openai_protocol import Health, ModelCard, ModelList, Version
+from jaxserve.server.tokenize_api import detokenize, tokenize
 from jaxserve.server.openapi import ENDPOINTS, openapi_document
 from jaxserve.server.serving import CONTEXT, ServerContext, json_response
 
@@ -51,8 +53,14 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/invocations", _invocations)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_get("/version", _version)
     app.router.add_get("/health", _health)
+    app.router.add_get("/ping", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     app.on_startup.append(_start_engine)
@@ -147,11 +155,36 @@ async def _health(request: web.Request) -> web.Response:
     return json_response(Health(status=state.value))
 
 
+def _card(context: ServerContext) -> ModelCard:
+    engine = context.engine.loaded()
+    return ModelCard(id=context.model_name, created=context.started, root=model_name(engine.config.model),
+                     max_model_len=engine.max_model_len)
+
+
 async def _models(request: web.Request) -> web.Response:
+    return json_response(ModelList(data=[_card(request.app[CONTEXT])]))
+
+
+async def _model(request: web.Request) -> web.Response:
     context = request.app[CONTEXT]
-    card = ModelCard(id=context.model_name, created=context.started,
-                     max_model_len=context.engine.loaded().max_model_len)
-    return json_response(ModelList(data=[card]))
+    if request.match_info["model"] != context.model_name:
+        raise APIError(404, f"model {request.match_info['model']!r} is not served here; the served model is "
+                            f"{context.model_name!r}", "model", "model_not_found")
+    return json_response(_card(context))
+
+
+async def _version(request: web.Request) -> web.Response:
+    return json_response(Version(version=importlib.metadata.version("jaxserve")))
+
+
+async def _invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's one route: a body with `messages` is a chat completion, else a completion."""
+    try:
+        parsed = json.loads(await request.read())
+    except ValueError:   # not JSON, not UTF-8: the completion handler answers the bad body
+        parsed = None
+    chat = isinstance(parsed, dict) and "messages" in parsed
+    return await (chat_completions if chat else completions)(request)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -121,9 +121,10 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
     return events.response
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The conversation through the tokenizer's chat template, ready for the assistant's reply."""
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The conversation through the tokenizer's chat template (by default ready for the assistant's reply)."""
     try:
-        return chat_prompt_ids(tokenizer, messages, tools)
+        return chat_prompt_ids(tokenizer, messages, tools, add_generation_prompt)
     except jinja2.TemplateError as error:
         raise InvalidRequestError("messages", f"the chat template rejected the messages: {error}") from None

@@ -166,6 +166,11 @@ class _OpenAIRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    store: bool | None = Field(None, description="Only false: nothing is stored.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored (nothing is stored).")
+    service_tier: Literal["auto", "default"] | None = None
+
+    UNSUPPORTED: ClassVar[dict] = {"store": False}
 
     def constraints(self) -> dict[str, StructuredOutputsParams]:
         given = super().constraints()
@@ -201,7 +206,7 @@ class CompletionRequest(_OpenAIRequest):
                           "not with stream.")
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict] = {"echo": False, "suffix": None}
+    UNSUPPORTED: ClassVar[dict] = {**_OpenAIRequest.UNSUPPORTED, "echo": False, "suffix": None}
 
     def check(self) -> None:
         super().check()
@@ -336,6 +341,29 @@ class GenerateRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+class TokenizeRequest(_Request):
+    """vLLM's `/tokenize`: a prompt, or a conversation through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = Field(None, description="Default: true for a prompt, false for messages "
+                                                              "(the template adds its own).")
+    add_generation_prompt: bool = Field(True, description="Messages only: end ready for the assistant's reply.")
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt", "give either prompt or messages")
+        if self.messages is None and not self.add_generation_prompt:
+            raise InvalidRequestError("add_generation_prompt", "add_generation_prompt applies to messages only")
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -488,7 +516,24 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jaxserve"
+    root: str = Field(description="The checkpoint served under this name.")
+    parent: str | None = None
     max_model_len: int
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
 
 
 class ModelList(BaseModel):

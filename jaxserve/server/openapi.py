@@ -14,8 +14,15 @@ from pydantic.json_schema import models_json_schema
 
 from jaxserve.server import openai_protocol as protocol
 
-_ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 413: "Body too large",
+_ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "No such model", 413: "Body too large",
            500: "The engine failed the request", 503: "Loading, draining, or the queue is full"}
+
+
+Models = type[BaseModel] | tuple[type[BaseModel], ...]   # a tuple: any one of them
+
+
+def _models(models) -> tuple:
+    return models if isinstance(models, tuple) else (models,) if isinstance(models, type) else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,9 +30,9 @@ class Endpoint:
     method: str
     path: str
     summary: str
-    reply: type[BaseModel] | str            # a model (JSON), or a media type with a string body
-    body: type[BaseModel] | None = None
-    chunk: type[BaseModel] | None = None     # streamed (`stream: true`) as server-sent events
+    reply: Models | str                     # a model (JSON), or a media type with a string body
+    body: Models | None = None
+    chunk: Models | None = None              # streamed (`stream: true`) as server-sent events
     errors: tuple[int, ...] = (401, 503)
     open: bool = False                       # no API key needed
 
@@ -37,17 +44,28 @@ ENDPOINTS = (
              protocol.CompletionRequest, protocol.CompletionResponse, (400, 401, 413, 500, 503)),
     Endpoint("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionResponse,
              protocol.ChatCompletionRequest, protocol.ChatCompletionChunk, (400, 401, 413, 500, 503)),
+    Endpoint("post", "/invocations", "SageMaker's route: a chat completion if the body has messages, else a "
+             "completion", (protocol.CompletionResponse, protocol.ChatCompletionResponse),
+             (protocol.CompletionRequest, protocol.ChatCompletionRequest),
+             (protocol.CompletionResponse, protocol.ChatCompletionChunk), (400, 401, 413, 500, 503)),
+    Endpoint("post", "/tokenize", "Token ids of a prompt or a conversation (vLLM's)", protocol.TokenizeResponse,
+             protocol.TokenizeRequest, errors=(400, 401, 413, 503)),
+    Endpoint("post", "/detokenize", "The text of token ids (vLLM's)", protocol.DetokenizeResponse,
+             protocol.DetokenizeRequest, errors=(400, 401, 413, 503)),
     Endpoint("get", "/v1/models", "The served model", protocol.ModelList),
+    Endpoint("get", "/v1/models/{model}", "One served model", protocol.ModelCard, errors=(401, 404, 503)),
+    Endpoint("get", "/version", "The server's version", protocol.Version, errors=(401,)),
     Endpoint("get", "/health", "200 when ready, 503 while loading or draining", protocol.Health, errors=(503,),
              open=True),
+    Endpoint("get", "/ping", "As /health", protocol.Health, errors=(503,), open=True),
     Endpoint("get", "/metrics", "Prometheus metrics", "text/plain", errors=(401,)),
     Endpoint("get", "/openapi.json", "This document", "application/json", errors=(401,)),
 )
 
 
 def openapi_document(title: str, version: str, with_api_key: bool) -> dict:
-    bodies = {e.body for e in ENDPOINTS}
-    models = {m for e in ENDPOINTS for m in (e.body, e.chunk, e.reply) if isinstance(m, type)}
+    bodies = {m for e in ENDPOINTS for m in _models(e.body)}
+    models = {m for e in ENDPOINTS for part in (e.body, e.chunk, e.reply) for m in _models(part)}
     refs, schemas = models_json_schema(
         [(m, "validation" if m in bodies else "serialization") for m in sorted(models, key=str)]
         + [(protocol.ErrorResponse, "serialization")], ref_template="#/components/schemas/{model}")
@@ -68,9 +86,10 @@ def _operation(endpoint: Endpoint, ref: dict, with_api_key: bool) -> dict:
         content = {endpoint.reply: {"schema": {"type": "object"} if "json" in endpoint.reply
                                     else {"type": "string"}}}
     else:
-        content = {"application/json": {"schema": ref[endpoint.reply]}}
+        content = {"application/json": {"schema": _schema(endpoint.reply, ref)}}
     if endpoint.chunk is not None:
-        content["text/event-stream"] = {"schema": _event_schema(ref[endpoint.chunk], ref[protocol.ErrorResponse])}
+        content["text/event-stream"] = {"schema": _event_schema(_schema(endpoint.chunk, ref),
+                                                                ref[protocol.ErrorResponse])}
     responses = {"200": {"description": "OK", "content": content}}
     for status in endpoint.errors:
         if status == 401 and not with_api_key:
@@ -78,12 +97,19 @@ def _operation(endpoint: Endpoint, ref: dict, with_api_key: bool) -> dict:
         responses[str(status)] = {"description": _ERRORS[status],
                                   "content": {"application/json": {"schema": ref[protocol.ErrorResponse]}}}
     operation = {"summary": endpoint.summary, "responses": responses}
+    if "{model}" in endpoint.path:
+        operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
     if endpoint.body is not None:
         operation["requestBody"] = {"required": True,
-                                    "content": {"application/json": {"schema": ref[endpoint.body]}}}
+                                    "content": {"application/json": {"schema": _schema(endpoint.body, ref)}}}
     if endpoint.open and with_api_key:
         operation["security"] = []
     return operation
+
+
+def _schema(models: Models, ref: dict) -> dict:
+    schemas = [ref[m] for m in _models(models)]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
 def _event_schema(chunk: dict, error: dict) -> dict:
