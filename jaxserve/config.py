@@ -123,6 +123,18 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def parse_size(text: str, name: str) -> int:
+    """vLLM's human-readable sizes: '4k' = 4,000, '4K' = 4,096, '25.6k' = 25,600 (also m/M, g/G)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    if not match:
+        raise ValueError(f"{name}={text!r} is not a number, optionally with k/m/g (x1000) or K/M/G (x1024)")
+    unit = match[2]
+    scale = 1 if not unit else (1000 if unit.islower() else 1024) ** ("kmg".index(unit.lower()) + 1)
+    return int(float(match[1]) * scale)
+
+
+PIPELINE_ADVICE = ("jaxserve splits a model over devices by tensor parallelism; give --tensor-parallel-size "
+                   "(or --mesh DxM) across a host's devices, with --num-processes for several hosts")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -138,7 +150,7 @@ class EngineConfig:
     dtype: str = "auto"                   # auto: float32 on CPU, bfloat16 on TPU/GPU
     quantization: str = "auto"            # weights: auto (the checkpoint's), none, int8, fp8, int4
     kv_cache_dtype: str = "auto"          # KV pages: auto (the compute dtype), int8, fp8 (fp8_e4m3)
-    max_model_len: int | None = None      # default: the model's context length
+    max_model_len: int | None = None      # default: the model's context length (also "4k", "32K")
     page_size: int = 16                   # tokens per KV page
     kv_cache_gb: float = 1.0              # KV pool size, when num_pages is not given
     num_pages: int | None = None          # exact KV pool size in pages (tests), overrides kv_cache_gb
@@ -152,10 +164,29 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
     max_structured_output_bytes: int = 65536   # largest JSON schema, regex, grammar or choice list
-    mesh: str = "1x1"                     # DxM devices: data x model (tensor) parallel
+    mesh: str | None = None               # DxM devices: data x model (tensor) parallel; default from
+                                          # the two sizes below (1x1 without them)
+    tensor_parallel_size: int | None = None   # vLLM's -tp: the mesh's M
+    data_parallel_size: int | None = None     # vLLM's -dp: the mesh's D
+    pipeline_parallel_size: int = 1       # vLLM's -pp: only 1 (see PIPELINE_ADVICE)
+    distributed_executor_backend: str | None = None   # vLLM's; only "uni" (one process drives a host's devices)
     coordinator_address: str | None = None  # HOST:PORT of process 0, for several processes (hosts)
     num_processes: int = 1                # processes (hosts) the mesh spans
     process_id: int = 0                   # this process; 0 serves HTTP and schedules
+
+    def _resolve_mesh(self) -> None:
+        """mesh from -dp/-tp when not given; when both are given they must agree."""
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"{name}={value} must be >= 1")
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", f"{self.data_parallel_size or 1}x{self.tensor_parallel_size or 1}")
+            return
+        data, model = parse_mesh(self.mesh)
+        for name, size, flag in (("tensor_parallel_size", model, "M"), ("data_parallel_size", data, "D")):
+            given = getattr(self, name)
+            _require(given is None or given == size,
+                     f"{name}={given} disagrees with mesh={self.mesh} (its {flag} is {size}): give one of them")
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
@@ -192,9 +223,18 @@ class EngineConfig:
                  f"{self.num_processes} > 1")
         _require(self.max_structured_output_bytes >= 1,
                  f"max_structured_output_bytes={self.max_structured_output_bytes} must be >= 1")
+        if isinstance(self.max_model_len, str):
+            object.__setattr__(self, "max_model_len", parse_size(self.max_model_len, "max_model_len"))
+        self._resolve_mesh()
         data, model = parse_mesh(self.mesh)
         _require(data * model % self.num_processes == 0,
                  f"mesh={self.mesh} has {data * model} devices, which do not split evenly over "
                  f"num_processes={self.num_processes}")
+        _require(self.pipeline_parallel_size == 1,
+                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: {PIPELINE_ADVICE}")
+        _require(self.distributed_executor_backend in (None, "uni"),
+                 f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported: one "
+                 f"process drives all of a host's devices ('uni'); for several hosts give --num-processes, "
+                 f"--process-id and --coordinator-address")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")

@@ -25,7 +25,7 @@ import jax
 
 from jaxserve import compile_cache, distributed
 from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                             EngineConfig, parse_mesh)
+                             PIPELINE_ADVICE, EngineConfig, parse_mesh, parse_size)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -43,7 +43,7 @@ HELP = {
                     "(dequantised to --dtype), int8 / fp8 (per channel) or int4 (groups of 32), quantized at load",
     "kv_cache_dtype": "KV cache pages: auto (--dtype), int8 (a scale per token and KV head) or fp8 (= fp8_e4m3, "
                       "one scale of 1); narrow pages need --attention-backend xla",
-    "max_model_len": "context length; none: the model's",
+    "max_model_len": "context length (4k = 4000, 4K = 4096); none: the model's",
     "page_size": "tokens per KV cache page",
     "kv_cache_gb": "KV cache size in GiB (unless --num-pages is given)",
     "num_pages": "exact KV cache size in pages",
@@ -57,7 +57,12 @@ HELP = {
     "enable_chunked_prefill": "prefill long prompts in chunks over several steps, beside running decodes",
     "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
     "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
-    "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices",
+    "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices; none: "
+            "--data-parallel-size x --tensor-parallel-size",
+    "tensor_parallel_size": "devices the model is split over (the mesh's M)",
+    "data_parallel_size": "copies of the model, each with its own requests and KV pool (the mesh's D)",
+    "pipeline_parallel_size": "only 1: " + PIPELINE_ADVICE,
+    "distributed_executor_backend": "only uni: one process drives all of a host's devices",
     "coordinator_address": "HOST:PORT of process 0 when the mesh spans several processes (hosts); "
                            "process 0 also listens on PORT+1 for the others",
     "num_processes": "processes (hosts) the mesh spans",
@@ -78,6 +83,15 @@ HELP = {
     "enable_auto_tool_choice": "let the model decide to call tools (tool_choice auto); needs --tool-call-parser",
     "tool_call_parser": "how the model writes tool calls, for tool_choice auto",
 }
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "pipeline_parallel_size": ("-pp",)}
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "max_model_len")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None   # argparse shows only this kind's message
+
+
+TYPES = {"max_model_len": _size}
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
            "tool_call_parser": TOOL_CALL_PARSERS}
@@ -90,13 +104,13 @@ def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:
     for field in dataclasses.fields(config_class):
         kind = next(t for t in (typing.get_args(hints[field.name]) or (hints[field.name],)) if t is not type(None))
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *SHORT_FLAGS.get(field.name, ())]
         options = dict(default=default, dest=field.name, help=HELP.get(field.name, f"{config_class.__name__}."
                                                                                   f"{field.name}"))
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **options)
         else:
-            group.add_argument(flag, type=kind, choices=CHOICES.get(field.name), **options)
+            group.add_argument(*flags, type=TYPES.get(field.name, kind), choices=CHOICES.get(field.name), **options)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
@@ -215,12 +229,19 @@ async def _until_ready_or_stopped(engine: AsyncEngine, stop: asyncio.Event) -> i
     return None
 
 
+def warn_if_open(config: ServerConfig) -> None:
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s with no --api-key: anyone who can reach this host can use the server",
+                    config.host)
+
+
 def main(argv: list[str] | None = None) -> int:
     engine_config, server_config = parse_args(argv)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if server_config.log_level != "debug":
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    warn_if_open(server_config)
     if engine_config.num_processes == 1:
         _prepare_devices(engine_config.mesh)
         compile_cache.enable(server_config.compile_cache_dir)

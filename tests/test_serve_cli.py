@@ -9,7 +9,7 @@ import jax
 import pytest
 import requests
 
-from jaxserve.serve import parse_args
+from jaxserve.serve import parse_args, warn_if_open
 from server_fixtures import TINY_ENGINE, cli_flags, free_port, wait_until_healthy
 
 
@@ -21,6 +21,42 @@ def test_flags_map_onto_the_configs():
     assert server.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
     with pytest.raises(SystemExit):
         parse_args(["--page-size", "3"])  # EngineConfig refuses it: argparse reports it
+
+
+@pytest.mark.parametrize("flags, mesh", [
+    ([], "1x1"), (["--tensor-parallel-size", "2"], "1x2"), (["-tp", "4", "-dp", "2"], "2x4"),
+    (["--data-parallel-size", "2"], "2x1"), (["--mesh", "2x4", "-tp", "4"], "2x4"),
+    (["-pp", "1", "--distributed-executor-backend", "uni"], "1x1"),
+])
+def test_vllm_parallel_flags_make_the_mesh(flags, mesh):
+    assert parse_args(flags)[0].mesh == mesh
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "1x4", "-tp", "2"], "tensor_parallel_size=2 disagrees with mesh=1x4"),
+    (["--mesh", "2x1", "--data-parallel-size", "4"], "data_parallel_size=4 disagrees with mesh=2x1"),
+    (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--distributed-executor-backend", "ray"], "--num-processes"),
+    (["-tp", "0"], "tensor_parallel_size=0 must be >= 1"),
+    (["--max-model-len", "4q"], "k/m/g"),
+])
+def test_refused_parallel_and_length_flags_say_what_to_do(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, length", [("4k", 4000), ("4K", 4096), ("32K", 32768), ("25.6k", 25600), ("512", 512)])
+def test_max_model_len_takes_vllm_sizes(text, length):
+    assert parse_args(["--max-model-len", text])[0].max_model_len == length
+
+
+def test_an_open_host_without_a_key_is_warned_about(caplog):
+    for flags, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False),
+                          ([], False)):
+        caplog.clear()
+        warn_if_open(parse_args(flags)[1])
+        assert ("no --api-key" in caplog.text) == warned
 
 
 def test_serve_loads_serves_and_drains_on_sigterm(tiny_models, tmp_path):
