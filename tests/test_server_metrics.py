@@ -17,6 +17,11 @@ NAMES = {
     "jaxserve:time_to_first_token_seconds": "histogram", "jaxserve:inter_token_latency_seconds": "histogram",
     "jaxserve:e2e_request_latency_seconds": "histogram", "jaxserve:num_preemptions": "counter",
     "jaxserve:prefix_cache_queries": "counter", "jaxserve:prefix_cache_hits": "counter",
+    "jaxserve:request_queue_time_seconds": "histogram", "jaxserve:request_prefill_time_seconds": "histogram",
+    "jaxserve:request_decode_time_seconds": "histogram", "jaxserve:request_inference_time_seconds": "histogram",
+    "jaxserve:request_prompt_tokens": "histogram", "jaxserve:request_generation_tokens": "histogram",
+    "jaxserve:request_params_n": "histogram", "jaxserve:request_params_max_tokens": "histogram",
+    "jaxserve:iteration_tokens_total": "histogram", "jaxserve:cache_config_info": "gauge",
 }
 
 
@@ -65,6 +70,22 @@ def test_counters_and_histograms_move(server, tiny_engine):
     # samples its first token a step later (see "Parallel samples" in README).
     assert moved("jaxserve:inter_token_latency_seconds_count") == 5
     assert moved("jaxserve:e2e_request_latency_seconds_sum") > 0
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert moved(f"jaxserve:request_{phase}_time_seconds_count") == 1
+    assert moved("jaxserve:request_prefill_time_seconds_sum") > 0
+    assert moved("jaxserve:request_prompt_tokens_sum") == prompt_len
+    assert moved("jaxserve:request_generation_tokens_sum") == 10
+    assert (moved("jaxserve:request_params_n_sum"), moved("jaxserve:request_params_max_tokens_sum")) == (2, 5)
+    # Tokens computed: the prompt, then sample 0's 4 decodes, sample 1's recomputed last prompt
+    # token and its 4 decodes, over the 6 steps.
+    assert moved("jaxserve:iteration_tokens_total_count") == 6
+    assert moved("jaxserve:iteration_tokens_total_sum") == prompt_len + 9
+
+
+def test_cache_config_info(server, tiny_engine):
+    labels = {"block_size": "16", "cache_dtype": "float32", "enable_prefix_caching": "True",
+              "num_gpu_blocks": str(tiny_engine.allocators[0].num_usable_pages), "num_cpu_blocks": "0"}
+    assert scrape(server).get(("jaxserve:cache_config_info", tuple(sorted(labels.items())))) == 1
 
 
 def test_gauges_follow_the_running_batch(server, tiny_engine, monkeypatch):

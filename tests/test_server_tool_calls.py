@@ -88,6 +88,15 @@ def test_streamed_calls_reassemble_to_the_reply(client, tool_choice):
     assert streamed(client, **request) == (whole.message.content or "", calls, whole.finish_reason)
 
 
+def test_streamed_logprobs_of_a_call_are_all_sent(client):
+    request = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=150,
+                   logprobs=True, top_logprobs=1)
+    [whole] = client.chat.completions.create(**request).choices
+    tokens = [t.token for chunk in client.chat.completions.create(**request, stream=True)
+              for choice in chunk.choices if choice.logprobs for t in choice.logprobs.content]
+    assert tokens == [t.token for t in whole.logprobs.content]
+
+
 def test_a_tool_message_continues_the_conversation(client):
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=150).choices[0].message

@@ -51,13 +51,26 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request (an exception in its step)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class FinishedRequest:
+    """What a `RequestObserver` hears of a request that ended."""
+
+    finish_reasons: list[str]        # per sample
+    e2e_seconds: float               # from arrival at the async engine
+    finished_time: float             # time.monotonic()
+    params: SamplingParams
+    output: RequestOutput | None     # the final output (None: closed by its consumer first)
+
+
 class RequestObserver(Protocol):
-    """Told about each request's progress, on the event loop (metrics)."""
+    """Told about each request's progress, on the event loop (metrics), and about each engine
+    step's tokens, on the engine thread."""
 
     def prompt_tokens(self, count: int) -> None: ...
     def first_token(self, seconds: float) -> None: ...
     def new_tokens(self, count: int, seconds_since_last: float | None) -> None: ...
-    def finished(self, finish_reasons: list[str], seconds: float) -> None: ...
+    def finished(self, request: FinishedRequest) -> None: ...
+    def iteration_tokens(self, count: int) -> None: ...
 
 
 class RequestStream:
@@ -66,10 +79,11 @@ class RequestStream:
     `close()` (also on leaving `async with`) aborts the request if it has not finished.
     """
 
-    def __init__(self, request_id: str, num_samples: int, abort: Callable[[str], None],
+    def __init__(self, request_id: str, params: SamplingParams, abort: Callable[[str], None],
                  observer: RequestObserver | None):
         self.request_id = request_id
-        self.num_samples = num_samples
+        self.params = params
+        self.num_samples = params.n
         self.finished = False
         self._abort = abort
         self._observer = observer
@@ -98,7 +112,7 @@ class RequestStream:
         if output.finished:
             reasons = ["error"] * self.num_samples if output.error else [
                 o.finish_reason or "abort" for o in output.outputs]
-            self._observer.finished(reasons, when - self._arrival)
+            self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, output))
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -117,7 +131,9 @@ class RequestStream:
             self.finished = True
             self._abort(self.request_id)
             if self._observer is not None:
-                self._observer.finished(["abort"] * self.num_samples, time.monotonic() - self._arrival)
+                now = time.monotonic()
+                self._observer.finished(FinishedRequest(["abort"] * self.num_samples, now - self._arrival, now,
+                                                        self.params, None))
 
     async def __aenter__(self) -> "RequestStream":
         return self
@@ -209,7 +225,7 @@ class AsyncEngine:
             request_id = f"req-{self._ids}"
         elif request_id in self._streams:
             raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
-        stream = RequestStream(request_id, params.n, self._send_abort, self.observer)
+        stream = RequestStream(request_id, params, self._send_abort, self.observer)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._pending += params.num_samples
@@ -286,6 +302,8 @@ class AsyncEngine:
             self._post(self._on_built, error)
             return
         self._post(self._on_built, None)
+        if self.observer is not None:   # the engine's step hook now feeds this server's metrics
+            self.engine.step_observer = lambda times: self.observer.iteration_tokens(times.num_tokens)
         live: set[str] = set()
         try:
             while self._handle_commands(live, block=not live):

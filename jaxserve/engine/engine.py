@@ -20,7 +20,7 @@ from collections.abc import Callable
 from jaxserve.checkpoint.loader import LoadedModel, load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import kv_pages as kv_pool
-from jaxserve.engine.output import CompletionOutput, RequestOutput, SampleText, TokenLogprob
+from jaxserve.engine.output import CompletionOutput, RequestMetrics, RequestOutput, SampleText, TokenLogprob
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
@@ -83,6 +83,7 @@ class _Group:
     samples: list[Request]
     texts: list[SampleText]
     error: str | None = None
+    first_token_time: float | None = None   # monotonic
     logprobs: list[list[TokenLogprob]] = dataclasses.field(init=False)   # per sample, per token
 
     def __post_init__(self):
@@ -104,7 +105,10 @@ class _Group:
         if not self.streams:
             best = sorted(outputs, key=_likelihood, reverse=True)[:params.n] if self.finished else []
             outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error)
+        scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
+        metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error,
+                             metrics)
 
     def _sample_output(self, i: int) -> CompletionOutput:
         sample, logprobs = self.samples[i], self.logprobs[i]
@@ -327,6 +331,8 @@ class LLMEngine:
                 if sample.is_finished:
                     text.finish()
                     self._matchers.pop(sample.request_id, None)
+            if touched and group.first_token_time is None:
+                group.first_token_time = time.monotonic()
             if group.error:
                 self._fail_group(group)
             if touched and (group.streams or group.finished):

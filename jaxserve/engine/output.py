@@ -44,6 +44,16 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None          # set with finish_reason "error"
+    metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """When a request got where (time.monotonic seconds; None: not yet), as vLLM's."""
+
+    arrival_time: float
+    first_scheduled_time: float | None   # first in the running batch (queue time ends)
+    first_token_time: float | None       # its first token sampled (prefill ends)
 
 
 class SampleText:

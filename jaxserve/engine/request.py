@@ -39,6 +39,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0               # lower runs sooner under the priority policy
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None   # monotonic: first admitted to the running batch
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

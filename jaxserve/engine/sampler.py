@@ -5,9 +5,10 @@ Each row's randomness comes only from its own seed and the index of the token it
 seeded request gives the same tokens whatever else is in the batch. Every optional stage
 (penalties, truncation, logprobs, randomness) runs only when some row asks for it.
 
-Order, as vLLM's: the allowed-token mask of a constrained row (structured outputs), logit_bias and min_tokens' suppression of EOS/stop ids, then the repetition
-penalty (over prompt and output tokens), frequency and presence penalties (over output tokens),
-then greedy argmax or temperature and truncation. Logprobs are of the raw model distribution.
+Order, as vLLM's: a constrained row's allowed-token mask (structured outputs), logit_bias and
+min_tokens' suppression of EOS/stop ids, then the repetition penalty (over prompt and output
+tokens), frequency and presence penalties (over output tokens), then greedy argmax or temperature
+and truncation. Logprobs are of the raw model distribution.
 """
 
 from __future__ import annotations

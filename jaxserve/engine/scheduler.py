@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
@@ -149,6 +150,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
+            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
             scheduled[request.request_id] = (request, num_tokens)
             budget -= self.config.chunk_cost(num_tokens)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 
+import llguidance
+import llguidance.numpy
 import numpy as np
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import StructuredOutputsParams
-
-log = logging.getLogger(__name__)
 
 # JSON on one line, spaced as json.dumps writes it: a flexible-whitespace grammar lets a small
 # model emit newlines until max_tokens instead of closing the object.
@@ -47,14 +46,14 @@ class Grammars:
         self._compiled = functools.lru_cache(_GRAMMAR_CACHE_SIZE)(self._compile)
 
     @functools.cached_property
-    def _llg(self):
-        """llguidance's tokenizer (about a second to build: only once a request asks for a constraint)."""
-        import llguidance
-        import llguidance.hf
+    def _llg(self) -> tuple:
+        """llguidance's tokenizer and thread pool (about a second to build: only once a request asks
+        for a constraint)."""
+        import llguidance.hf   # imports transformers: only here, not wherever the sampler is imported
 
         tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                  eos_token=list(self.eos_token_ids))
-        return llguidance, tokenizer, llguidance.LLExecutor()
+        return tokenizer, llguidance.LLExecutor()
 
     def grammar(self, constraint: StructuredOutputsParams) -> str:
         """The llguidance grammar of `constraint`, compiled and checked; InvalidRequestError naming
@@ -68,10 +67,10 @@ class Grammars:
         return self._compiled(constraint)
 
     def _compile(self, constraint: StructuredOutputsParams) -> str:
-        llguidance, tokenizer, _ = self._llg
+        tokenizer, _ = self._llg
         field, what = f"structured_outputs.{constraint.kind}", _WHAT[constraint.kind]
         try:
-            grammar = _grammar_text(llguidance, constraint)
+            grammar = _grammar_text(constraint)
         except ValueError as error:
             raise InvalidRequestError(field, f"{what} is invalid: {error}") from None
         message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -81,20 +80,18 @@ class Grammars:
 
     def matcher(self, grammar: str):
         """A fresh matcher: one per sample, at the grammar's start."""
-        llguidance, tokenizer, _ = self._llg
+        tokenizer, _ = self._llg
         return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
 
     def fill_masks(self, matchers: list) -> np.ndarray:
         """[len(matchers), mask_width] int32: the tokens each matcher allows next, filled in parallel."""
-        import llguidance.numpy
-
-        _, _, executor = self._llg
+        _, executor = self._llg
         masks = np.zeros((len(matchers), mask_width(self.vocab_size)), np.int32)
         llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], masks)
         return masks
 
 
-def _grammar_text(llguidance, constraint: StructuredOutputsParams) -> str:
+def _grammar_text(constraint: StructuredOutputsParams) -> str:
     if constraint.json is not None:
         schema = json.loads(constraint.json)
         if not isinstance(schema, dict):

@@ -26,9 +26,9 @@ from jaxserve.server.generate_api import generate
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.openai_api import chat_completions, completions
 from jaxserve.server.openai_protocol import Health, ModelCard, ModelList, Version
-from jaxserve.server.tokenize_api import detokenize, tokenize
 from jaxserve.server.openapi import ENDPOINTS, openapi_document
 from jaxserve.server.serving import CONTEXT, ServerContext, json_response
+from jaxserve.server.tokenize_api import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     async_engine.max_queue = config.max_queue
     name = _served_name(engine, config)
-    metrics = Metrics(name, lambda: async_engine.stats)
+    metrics = Metrics(name, lambda: async_engine.stats, lambda: _cache_config(async_engine))
     async_engine.observer = metrics
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware(config.api_key)])
@@ -67,6 +67,16 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
     app.on_shutdown.append(_drain_engine)
     app.on_cleanup.append(_stop_engine)
     return app
+
+
+def _cache_config(engine: AsyncEngine) -> dict:
+    """vLLM's cache_config_info labels, once the engine is built."""
+    if engine.engine is None:
+        return {}
+    built = engine.engine
+    return {"block_size": built.config.page_size, "cache_dtype": built.runner.kv_dtype.name,
+            "enable_prefix_caching": built.config.enable_prefix_caching,
+            "num_gpu_blocks": sum(a.num_usable_pages for a in built.allocators), "num_cpu_blocks": 0}
 
 
 def _served_name(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine.async_engine import EngineStats
+from jaxserve.engine.async_engine import EngineStats, FinishedRequest
 
 PREFIX = "jaxserve:"
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -20,6 +20,9 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
                 480.0, 960.0)
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class Metrics:
@@ -27,7 +30,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], cache_config: Callable[[], dict] | None = None):
         self.registry = CollectorRegistry()
         label = {"model_name": model_name}
 
@@ -52,7 +55,20 @@ class Metrics:
         self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self._itl = histogram("inter_token_latency_seconds", "Time between a request's steps.", _ITL_BUCKETS)
         self._e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self._queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _PHASE_BUCKETS)
+        self._prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", _PHASE_BUCKETS)
+        self._decode = histogram("request_decode_time_seconds", "First token to finish.", _PHASE_BUCKETS)
+        self._inference = histogram("request_inference_time_seconds", "First scheduled to finish.", _PHASE_BUCKETS)
+        self._request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self._request_generation = histogram("request_generation_tokens", "Tokens generated per request.",
+                                             _TOKEN_BUCKETS)
+        self._params_n = histogram("request_params_n", "The n of each request.", _N_BUCKETS)
+        self._params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of each request that "
+                                            "gave one.", _TOKEN_BUCKETS)
+        self._iteration = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.registry.register(_EngineCounters(label, stats))
+        if cache_config is not None:
+            self.registry.register(_CacheConfig(cache_config))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,10 +86,29 @@ class Metrics:
         if seconds_since_last is not None:
             self._itl.observe(seconds_since_last)
 
-    def finished(self, finish_reasons: list[str], seconds: float) -> None:
-        for reason in finish_reasons:
+    def finished(self, request: FinishedRequest) -> None:
+        for reason in request.finish_reasons:
             self._success.labels(**self._label, finished_reason=reason).inc()
-        self._e2e.observe(seconds)
+        self._e2e.observe(request.e2e_seconds)
+        self._params_n.observe(request.params.n)
+        if request.params.max_tokens is not None:
+            self._params_max_tokens.observe(request.params.max_tokens)
+        output = request.output
+        if output is None or output.error:
+            return
+        self._request_prompt.observe(len(output.prompt_token_ids))
+        self._request_generation.observe(sum(len(o.token_ids) for o in output.outputs))
+        times = output.metrics
+        if times is None or times.first_scheduled_time is None:
+            return
+        self._queue.observe(times.first_scheduled_time - times.arrival_time)
+        self._inference.observe(request.finished_time - times.first_scheduled_time)
+        if times.first_token_time is not None:
+            self._prefill.observe(times.first_token_time - times.first_scheduled_time)
+            self._decode.observe(request.finished_time - times.first_token_time)
+
+    def iteration_tokens(self, count: int) -> None:   # on the engine thread: prometheus_client locks
+        self._iteration.observe(count)
 
 
 class _EngineCounters:
@@ -95,4 +130,19 @@ class _EngineCounters:
         for name, doc in self.COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._label))
             family.add_metric(list(self._label.values()), getattr(stats, name))
+            yield family
+
+
+class _CacheConfig:
+    """vLLM's `cache_config_info`: the KV cache's settings as labels of a gauge set to 1 (read when
+    scraped, once the engine is built)."""
+
+    def __init__(self, read: Callable[[], dict]):
+        self._read = read
+
+    def collect(self):
+        labels = self._read()
+        if labels:
+            family = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's settings.", labels=list(labels))
+            family.add_metric([str(v) for v in labels.values()], 1.0)
             yield family

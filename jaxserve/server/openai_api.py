@@ -100,6 +100,7 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
                        head: dict, n: int, texts: TokenTexts, parser: str | None) -> web.StreamResponse:
     deltas, finals = TextDeltas(n), []
     replies = [ToolReply(body, parser) for _ in range(n)]
+    held = [[] for _ in range(n)]   # per choice: logprobs of tokens whose text a tool reply holds back
     async with EventStream(request) as events:
         for choice in range(n):
             await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
@@ -108,12 +109,14 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
             for delta in deltas.updates(0, output):
                 reply = replies[delta.choice]
                 message = reply.delta(delta.text, delta.finish_reason is not None)
+                held[delta.choice] += delta.logprobs or []
                 if message is None and delta.finish_reason is None:
                     continue
+                logprobs, held[delta.choice] = held[delta.choice], []
                 await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
                     index=delta.choice, delta=message or Delta(),
                     finish_reason=reply.finish_reason(reply.text, delta.finish_reason),
-                    logprobs=chat_logprobs(delta.logprobs, texts) if delta.logprobs else None)]))
+                    logprobs=chat_logprobs(logprobs, texts) if logprobs else None)]))
             if output.finished:
                 finals.append(output)
         if body.include_usage:
