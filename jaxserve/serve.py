@@ -67,7 +67,7 @@ HELP = {
                            "process 0 also listens on PORT+1 for the others",
     "num_processes": "processes (hosts) the mesh spans",
     "process_id": "this process's index; process 0 serves HTTP, the others follow its steps",
-    "served_model_name": "the model name clients send; none: the model file's name",
+    "served_model_name": "the model name(s) clients send (several: aliases); none: the model file's name",
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health",
@@ -92,6 +92,7 @@ def _size(text: str) -> int:
 
 
 TYPES = {"max_model_len": _size}
+NARGS = {"served_model_name": "+"}
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
            "tool_call_parser": TOOL_CALL_PARSERS}
@@ -110,7 +111,8 @@ def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:
         if kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **options)
         else:
-            group.add_argument(*flags, type=TYPES.get(field.name, kind), choices=CHOICES.get(field.name), **options)
+            group.add_argument(*flags, type=TYPES.get(field.name, kind), choices=CHOICES.get(field.name),
+                               nargs=NARGS.get(field.name), **options)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:

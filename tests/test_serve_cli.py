@@ -51,6 +51,11 @@ def test_max_model_len_takes_vllm_sizes(text, length):
     assert parse_args(["--max-model-len", text])[0].max_model_len == length
 
 
+def test_served_model_name_takes_aliases():
+    assert parse_args(["--served-model-name", "a", "b"])[1].served_model_name == ("a", "b")
+    assert parse_args(["--served-model-name", "a"])[1].served_model_name == "a"
+
+
 def test_an_open_host_without_a_key_is_warned_about(caplog):
     for flags, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False),
                           ([], False)):

@@ -1,5 +1,5 @@
 """vLLM's side endpoints: /tokenize and /detokenize, /version, /ping, /v1/models/{model}, and
-SageMaker's /invocations, with raw HTTP and the official `openai` client."""
+SageMaker's /invocations, with raw HTTP and the official `openai` client; a served name's aliases."""
 
 import importlib.metadata
 
@@ -14,7 +14,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def server(tiny_engine):
-    with serving(tiny_engine, api_key="k") as server:
+    with serving(tiny_engine, api_key="k", served_model_name=("test-model", "alias")) as server:
         yield server
 
 
@@ -72,3 +72,13 @@ def test_invocations_serve_chat_and_completions(server):
     assert via_completion["choices"][0]["text"] == post(server, "/v1/completions", completion)["choices"][0]["text"]
     assert via_chat["choices"][0]["message"] == post(server, "/v1/chat/completions", chat)["choices"][0]["message"]
     assert post(server, "/invocations", {"prompt": "x", "stray": 1}, 400)["error"]["param"] == "stray"
+
+
+def test_every_alias_is_listed_and_answered_as_asked(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["test-model", "alias"]
+    assert client.models.retrieve("alias").id == "alias"
+    for name in ("test-model", "alias"):
+        assert client.completions.create(model=name, prompt="Hi", max_tokens=1).model == name
+    with pytest.raises(openai.BadRequestError, match="served: 'test-model', 'alias'"):
+        client.completions.create(model="other", prompt="Hi", max_tokens=1)

@@ -20,7 +20,7 @@ from jaxserve.engine.async_engine import (
     AsyncEngine, EngineState, EngineUnavailableError, QueueFullError, RequestFailedError)
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.server.config import ServerConfig, model_name
+from jaxserve.server.config import ServerConfig, model_name, served_names
 from jaxserve.server.errors import APIError
 from jaxserve.server.generate_api import generate
 from jaxserve.server.metrics import Metrics
@@ -41,12 +41,12 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
     """An aiohttp app serving `engine` (an `LLMEngine` is wrapped in an `AsyncEngine`)."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     async_engine.max_queue = config.max_queue
-    name = _served_name(engine, config)
-    metrics = Metrics(name, lambda: async_engine.stats, lambda: _cache_config(async_engine))
+    names = _served_names(engine, config)
+    metrics = Metrics(names[0], lambda: async_engine.stats, lambda: _cache_config(async_engine))
     async_engine.observer = metrics
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware(config.api_key)])
-    app[CONTEXT] = ServerContext(async_engine, config, name, int(time.time()))
+    app[CONTEXT] = ServerContext(async_engine, config, names, int(time.time()))
     app[METRICS] = metrics
     app[OPENAPI] = openapi_document("jaxserve", importlib.metadata.version("jaxserve"),
                                     with_api_key=config.api_key is not None)
@@ -79,13 +79,13 @@ def _cache_config(engine: AsyncEngine) -> dict:
             "num_gpu_blocks": sum(a.num_usable_pages for a in built.allocators), "num_cpu_blocks": 0}
 
 
-def _served_name(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> str:
+def _served_names(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> tuple[str, ...]:
     if config.served_model_name:
-        return config.served_model_name
+        return served_names(config.served_model_name)
     built = engine if isinstance(engine, LLMEngine) else engine.engine
     if built is None:
         raise ValueError("served_model_name is needed when the engine is not built yet")
-    return model_name(built.config.model)
+    return (model_name(built.config.model),)
 
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -165,22 +165,23 @@ async def _health(request: web.Request) -> web.Response:
     return json_response(Health(status=state.value))
 
 
-def _card(context: ServerContext) -> ModelCard:
+def _card(context: ServerContext, name: str) -> ModelCard:
     engine = context.engine.loaded()
-    return ModelCard(id=context.model_name, created=context.started, root=model_name(engine.config.model),
+    return ModelCard(id=name, created=context.started, root=model_name(engine.config.model),
                      max_model_len=engine.max_model_len)
 
 
 async def _models(request: web.Request) -> web.Response:
-    return json_response(ModelList(data=[_card(request.app[CONTEXT])]))
+    context = request.app[CONTEXT]
+    return json_response(ModelList(data=[_card(context, name) for name in context.model_names]))
 
 
 async def _model(request: web.Request) -> web.Response:
-    context = request.app[CONTEXT]
-    if request.match_info["model"] != context.model_name:
-        raise APIError(404, f"model {request.match_info['model']!r} is not served here; the served model is "
-                            f"{context.model_name!r}", "model", "model_not_found")
-    return json_response(_card(context))
+    context, name = request.app[CONTEXT], request.match_info["model"]
+    if name not in context.model_names:
+        raise APIError(404, f"model {name!r} is not served here; served: {', '.join(context.model_names)}",
+                       "model", "model_not_found")
+    return json_response(_card(context, name))
 
 
 async def _version(request: web.Request) -> web.Response:

@@ -17,7 +17,8 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    served_model_name: str | None = None  # the name clients pass as `model`; default: the model file's
+    served_model_name: str | tuple[str, ...] | None = None  # the name(s) clients pass as `model` (several:
+                                          # aliases; replies carry the one asked for); default: the model file's
     host: str = "127.0.0.1"
     port: int = 8000                      # 0: any free port
     api_key: str | None = None            # if set, every endpoint but /health wants `Authorization: Bearer KEY`
@@ -32,6 +33,10 @@ class ServerConfig:
     tool_call_parser: str | None = None   # how the model writes calls: hermes, llama3_json
 
     def __post_init__(self):
+        if isinstance(self.served_model_name, (list, tuple)):
+            names = tuple(self.served_model_name)
+            _require(len(names) >= 1 and all(names), f"served_model_name={names} needs non-empty names")
+            object.__setattr__(self, "served_model_name", names[0] if len(names) == 1 else names)
         _require(0 <= self.port < 65536, f"port={self.port} must be in [0, 65535]")
         _require(self.max_queue >= 1, f"max_queue={self.max_queue} must be >= 1")
         _require(self.max_n >= 1, f"max_n={self.max_n} must be >= 1")
@@ -43,6 +48,10 @@ class ServerConfig:
                  f"tool_call_parser={self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
                  "enable_auto_tool_choice needs a tool_call_parser (one of " + ", ".join(TOOL_CALL_PARSERS) + ")")
+
+
+def served_names(name: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (name,) if isinstance(name, str) else tuple(name)
 
 
 def model_name(model: str | None) -> str:

@@ -27,10 +27,10 @@ from jaxserve.tokenizer import chat_prompt_ids
 async def completions(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, CompletionRequest)
-    context.check_model(body.model)
+    model = context.check_model(body.model)
     params = await context.sampling_params(body, body.max_new_tokens())
     texts = TokenTexts(context.engine.loaded().tokenizer)
-    head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=context.model_name)
+    head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
     streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority)
     if body.stream:
         return await _stream_completions(request, body, streams, head, params.n, texts)
@@ -73,7 +73,7 @@ def _completion_delta(delta: ChoiceDelta, texts: TokenTexts, offsets: dict[int, 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     context = request.app[CONTEXT]
     body = await parse_body(request, ChatCompletionRequest)
-    context.check_model(body.model)
+    model = context.check_model(body.model)
     parser = context.config.tool_call_parser
     if body.tool_mode() == "auto" and not context.config.enable_auto_tool_choice:
         raise InvalidRequestError("tool_choice", "tool_choice 'auto' (the default with tools) needs the server "
@@ -82,7 +82,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = await context.sampling_params(body, body.max_new_tokens())
     tokenizer = context.engine.loaded().tokenizer
     prompt = chat_prompt(tokenizer, *conversation(body, tokenizer.chat_template, parser))
-    head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=context.model_name)
+    head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
     streams = await admit(context.engine, [prompt], params, head["id"], body.priority)
     texts = TokenTexts(tokenizer)
     if body.stream:

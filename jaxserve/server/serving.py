@@ -34,13 +34,19 @@ class ServerContext:
 
     engine: AsyncEngine
     config: ServerConfig
-    model_name: str
+    model_names: tuple[str, ...]  # the served name and its aliases; the first is the one metrics carry
     started: int                  # Unix time the app was made (the model's `created`)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(400, f"model={model!r} is not served here; the served model is {self.model_name!r}",
-                           "model", "model_not_found")
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        """The served name a request asked for (the first when it names none)."""
+        if model is not None and model not in self.model_names:
+            served = ", ".join(map(repr, self.model_names))
+            raise APIError(400, f"model={model!r} is not served here; served: {served}", "model", "model_not_found")
+        return model or self.model_name
 
     async def sampling_params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
         """The body's sampling parameters, checked against --max-n and the model's vocabulary, its
