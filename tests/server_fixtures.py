@@ -95,6 +95,13 @@ def smollm2_engine(smollm2):
     return LLMEngine(EngineConfig(**SMOLLM2_ENGINE), model=smollm2)
 
 
+def openai_client(server: ServerThread, api_key: str = "unused", timeout: float = 120):
+    """The official client against a test server: no retries, so a failure shows at once."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
 def pool_is_full(engine: LLMEngine) -> bool:
     return engine.stats().kv_cache_usage == 0
 

@@ -1,10 +1,9 @@
 """The official `openai` client against our server: completions and chat, streamed and not."""
 
-import openai
 import pytest
 import requests
 
-from server_fixtures import serving, tiny_engine  # noqa: F401 - fixture
+from server_fixtures import openai_client, serving, tiny_engine  # noqa: F401 - fixture
 
 MODEL = "test-model"
 CHAT = [{"role": "user", "content": "Hi there"}]
@@ -18,7 +17,7 @@ def server(tiny_engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server, timeout=60)
 
 
 def generate(server, **body):

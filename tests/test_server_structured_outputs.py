@@ -5,12 +5,11 @@ import json
 import re
 from typing import Literal
 
-import openai
 import pytest
 import requests
 from pydantic import BaseModel, Field
 
-from server_fixtures import serving, smollm2_engine  # noqa: F401 - fixture
+from server_fixtures import openai_client, serving, smollm2_engine  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 MODEL = "test-model"
@@ -47,7 +46,7 @@ def server(smollm2_engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def ask(text: str) -> list[dict]:

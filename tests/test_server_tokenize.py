@@ -7,7 +7,7 @@ import openai
 import pytest
 import requests
 
-from server_fixtures import serving, tiny_engine  # noqa: F401 - fixture
+from server_fixtures import openai_client, serving, tiny_engine  # noqa: F401 - fixture
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
@@ -52,7 +52,7 @@ def test_bad_tokenize_bodies_are_named(server, path, body, param):
 
 
 def test_version_ping_and_one_model(server, tiny_engine):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0)
+    client = openai_client(server, api_key="k")
     card = client.models.retrieve("test-model")
     assert (card.id, card.max_model_len) == ("test-model", tiny_engine.max_model_len)
     assert card.root == client.models.list().data[0].root
@@ -75,7 +75,7 @@ def test_invocations_serve_chat_and_completions(server):
 
 
 def test_every_alias_is_listed_and_answered_as_asked(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0)
+    client = openai_client(server, api_key="k")
     assert [m.id for m in client.models.list().data] == ["test-model", "alias"]
     assert client.models.retrieve("alias").id == "alias"
     for name in ("test-model", "alias"):

@@ -4,11 +4,10 @@ calls (tool_choice required, a named function), auto with a parser, streaming, t
 import json
 
 import jsonschema_rs
-import openai
 import pytest
 import requests
 
-from server_fixtures import serving, smollm2_engine, tiny_engine  # noqa: F401 - fixture
+from server_fixtures import openai_client, serving, smollm2_engine, tiny_engine  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 MODEL = "test-model"
@@ -34,7 +33,7 @@ def server(smollm2_engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def check_calls(calls, names=None):
@@ -97,7 +96,7 @@ def test_streamed_logprobs_of_a_call_are_all_sent(client):
     assert tokens == [t.token for t in whole.logprobs.content]
 
 
-def test_a_tool_message_continues_the_conversation(client):
+def test_a_tool_message_continues_the_conversation(client, smollm2_engine):
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=150).choices[0].message
     [call] = first.tool_calls[:1]
@@ -108,6 +107,10 @@ def test_a_tool_message_continues_the_conversation(client):
     [choice] = reply.choices
     assert choice.message.content and choice.message.tool_calls is None
     assert choice.finish_reason in ("stop", "length")
+    without_result = client.chat.completions.create(model=MODEL, messages=messages[:2], tools=TOOLS,
+                                                    tool_choice="none", temperature=0, max_tokens=1)
+    result_tokens = len(smollm2_engine.tokenizer.encode(messages[2]["content"], add_special_tokens=False))
+    assert reply.usage.prompt_tokens >= without_result.usage.prompt_tokens + result_tokens
 
 
 def test_the_prompt_offers_the_tools_and_renders_calls_and_results(smollm2_engine):

@@ -58,7 +58,7 @@ class Grammars:
     def grammar(self, constraint: StructuredOutputsParams) -> str:
         """The llguidance grammar of `constraint`, compiled and checked; InvalidRequestError naming
         the field and llguidance's message when it does not compile."""
-        field, what = f"structured_outputs.{constraint.kind}", _WHAT[constraint.kind]
+        field, what = _names(constraint)
         size = len((constraint.json or constraint.regex or constraint.grammar or "").encode())
         size += sum(len(c.encode()) for c in constraint.choice or ())
         if size > self.max_bytes:
@@ -68,7 +68,7 @@ class Grammars:
 
     def _compile(self, constraint: StructuredOutputsParams) -> str:
         tokenizer, _ = self._llg
-        field, what = f"structured_outputs.{constraint.kind}", _WHAT[constraint.kind]
+        field, what = _names(constraint)
         try:
             grammar = _grammar_text(constraint)
         except ValueError as error:
@@ -89,6 +89,11 @@ class Grammars:
         masks = np.zeros((len(matchers), mask_width(self.vocab_size)), np.int32)
         llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], masks)
         return masks
+
+
+def _names(constraint: StructuredOutputsParams) -> tuple[str, str]:
+    """The constraint's field (an error's param) and how a message names it."""
+    return f"structured_outputs.{constraint.kind}", _WHAT[constraint.kind]
 
 
 def _grammar_text(constraint: StructuredOutputsParams) -> str:
