@@ -50,6 +50,20 @@ def slow_steps(monkeypatch, engine, seconds):
     monkeypatch.setattr(engine.runner, "execute", slow)
 
 
+async def fill_the_batch(engine) -> list:
+    """8 running sequences (max_num_seqs=8), added one at a time, so none counts against a small queue."""
+    busy = []
+    for i in range(8):
+        busy.append(await engine.add_request(f"busy {i}", SamplingParams(max_tokens=50)))
+        await anext(busy[-1])   # its first token: running, not waiting
+    return busy
+
+
+def close_all(streams) -> None:
+    for stream in streams:
+        stream.close()
+
+
 def test_stream_is_cumulative_and_matches_a_synchronous_run(tiny_engine):
     expected = sync_generate(tiny_engine, "The sea is", GREEDY)
 
@@ -96,12 +110,11 @@ def test_best_of_counts_every_sample_against_the_queue_limit(tiny_engine, monkey
     slow_steps(monkeypatch, tiny_engine, 0.05)
 
     async def scenario(engine):
-        busy = await engine.add_request("busy", SamplingParams(n=8, max_tokens=50))
-        await anext(busy)  # running: the batch (max_num_seqs=8) is full
+        busy = await fill_the_batch(engine)
         waiting = await engine.add_request("ranked", SamplingParams(n=1, best_of=3, max_tokens=4))
         with pytest.raises(QueueFullError, match="3 sequences are waiting"):
             await engine.add_request("refused", GREEDY)
-        busy.close()
+        close_all(busy)
         return (await collect(waiting))[-1]
 
     final = run(tiny_engine, scenario, max_queue=3)
@@ -217,16 +230,32 @@ def test_queue_limit(tiny_engine, monkeypatch):
     slow_steps(monkeypatch, tiny_engine, 0.05)
 
     async def scenario(engine):
-        # 8 samples fill the batch (max_num_seqs=8); the next request waits, the one after is refused.
-        busy = await engine.add_request("busy", SamplingParams(n=8, max_tokens=50))
-        await anext(busy)  # scheduled: running now, not waiting
+        # The next request waits, the one after is refused.
+        busy = await fill_the_batch(engine)
         waiting = await engine.add_request("wait", GREEDY)
         with pytest.raises(QueueFullError, match="1 sequences are waiting"):
             await engine.add_request("refused", GREEDY)
-        busy.close()
+        close_all(busy)
         return (await collect(waiting))[-1]
 
     assert run(tiny_engine, scenario, max_queue=1).finished
+
+
+def test_a_batch_is_admitted_as_a_unit(tiny_engine, monkeypatch):
+    slow_steps(monkeypatch, tiny_engine, 0.05)
+
+    async def scenario(engine):
+        busy = await fill_the_batch(engine)
+        waiting = await engine.add_requests(["a", "b"], GREEDY, ["a", "b"])
+        with pytest.raises(QueueFullError, match="2 sequences are waiting and this request adds 2"):
+            await engine.add_requests(["c", "d"], GREEDY, ["c", "d"])   # 1 more would fit: none is taken
+        with pytest.raises(InvalidRequestError, match="5 sequences .* more than --max-queue=3 can ever hold"):
+            await engine.add_requests(list("efghi"), GREEDY, list("efghi"))
+        assert engine.stats.num_waiting == 2 and set(engine._streams) == {s.request_id for s in busy} | {"a", "b"}
+        close_all(busy)
+        return [(await collect(stream))[-1] for stream in waiting]
+
+    assert all(final.finished for final in run(tiny_engine, scenario, max_queue=3))
 
 
 def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_engine):

@@ -89,6 +89,13 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "seed": -5}, 400, "seed", "seed=-5 is out of range"),
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None, "not valid JSON: unexpected end of hex escape"),
     ("/v1/completions", {}, 400, "prompt", "prompt is required"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream_options applies to streamed replies only"),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}, 400, "prompt",
+     "2 sequences (2 prompts x 1 samples), more than --max-queue=1 can ever hold"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "max_tokens": 1}, 400, "n", "more than --max-queue=1"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": False, "stream_options": {}}, 400, "stream_options",
+     "stream_options applies to streamed replies only"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
      "messages.0.role='robot'"),
@@ -124,12 +131,42 @@ def test_bad_input(server, path, body, status, param, message):
     check_error(reply, status, param, message)
 
 
+def test_a_batch_past_the_queue_is_400_every_time(server):
+    # Once a 200 or a 503 by timing, after seconds of work thrown away.
+    for _ in range(3):
+        reply = requests.post(f"{server.url}/v1/completions", json={"prompt": ["hi"] * 500, "max_tokens": 1},
+                              headers=KEY, timeout=30)
+        check_error(reply, 400, "prompt", "500 sequences (500 prompts x 1 samples)")
+    assert (server.async_engine.stats.num_running, server.async_engine.stats.num_waiting) == (0, 0)
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("application/json; charset=utf-8", 200),
+    ("application/vnd.api+json", 200)])
+def test_the_body_must_be_declared_as_json(server, content_type, status):
+    body = json.dumps({"prompt": "x", "max_tokens": 1})
+    reply = requests.post(f"{server.url}/v1/completions", data=body, timeout=30,
+                          headers={**KEY, "Content-Type": content_type})
+    if status == 415:
+        check_error(reply, 415, None, f"Content-Type {content_type!r} is not supported")
+    else:
+        assert reply.status_code == 200, reply.text
+
+
 def test_api_key(server):
     body = {"prompt": "x", "max_tokens": 1}
-    check_error(requests.post(f"{server.url}/v1/completions", json=body, timeout=30), 401, None, "missing API key")
+    missing = requests.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    check_error(missing, 401, None, "missing API key")
+    assert missing.headers["WWW-Authenticate"].startswith("Bearer")
     wrong = {"Authorization": "Bearer nope"}
     check_error(requests.post(f"{server.url}/v1/completions", json=body, headers=wrong, timeout=30), 401, None,
                 "wrong API key")
+    for scheme in ("Basic secret", "Bearersecret", "secret"):
+        check_error(requests.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": scheme},
+                                  timeout=30), 401, None, "wrong API key")
+    for scheme in ("bearer secret", "BEARER  secret"):   # HTTP auth schemes are case-insensitive
+        assert requests.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": scheme},
+                             timeout=30).status_code == 200
     check_error(requests.get(f"{server.url}/v1/models", timeout=30), 401, None, "missing API key")
     for path in ("/tokenize", "/detokenize", "/invocations"):
         check_error(requests.post(f"{server.url}{path}", json={"prompt": "x"}, timeout=30), 401, None,
@@ -158,8 +195,8 @@ def test_full_queue_is_503_with_retry_after(server, tiny_engine, monkeypatch):
                     async for _ in reply.content:
                         pass
             busy = []
-            for running in (4, 8):  # one at a time: with max_queue=1, 4 sequences waiting is too many
-                busy.append(asyncio.create_task(stream(4)))
+            for running in range(1, 9):  # one at a time: with max_queue=1, 2 sequences waiting is too many
+                busy.append(asyncio.create_task(stream(1)))
                 await until(lambda: stats.stats.num_running == running)
             busy.append(asyncio.create_task(stream(1)))
             await until(lambda: stats.stats.num_waiting == 1)
@@ -174,7 +211,7 @@ def test_full_queue_is_503_with_retry_after(server, tiny_engine, monkeypatch):
 
     status, retry_after, body = asyncio.run(scenario())
     assert status == 503 and retry_after == "1"
-    assert "1 sequences are waiting (--max-queue=1)" in body["error"]["message"]
+    assert "1 sequences are waiting and this request adds 1 (--max-queue=1)" in body["error"]["message"]
 
 
 async def until(condition, timeout=10.0):

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from jaxserve.engine.engine import EngineStats, LLMEngine
@@ -215,30 +215,60 @@ class AsyncEngine:
                           request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Queues a request (`priority`: lower runs sooner under the priority scheduling policy);
         raises InvalidRequestError, QueueFullError or EngineUnavailableError."""
+        [stream] = await self.add_requests([prompt], params, [request_id], priority)
+        return stream
+
+    async def add_requests(self, prompts: Sequence[str | list[int]], params: SamplingParams,
+                           request_ids: Sequence[str | None], priority: int = 0) -> list[RequestStream]:
+        """Queues several requests as one unit: all are admitted or none (a batch that can never
+        fit `max_queue` is an InvalidRequestError, one that does not fit now a QueueFullError)."""
         if self.state is not EngineState.READY:
             raise EngineUnavailableError(f"the engine is {self.state.value}")
-        if self.max_queue is not None and self.stats.num_waiting + self._pending >= self.max_queue:
-            raise QueueFullError(f"{self.stats.num_waiting + self._pending} sequences are waiting "
+        self._check_queue(len(prompts), params.num_samples)
+        for request_id in request_ids:
+            if request_id is not None and request_id in self._streams:
+                raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
+        # Every command goes out before the first await, so no other request can slip in between.
+        submitted = [self._submit(prompt, params, request_id, priority)
+                     for prompt, request_id in zip(prompts, request_ids, strict=True)]
+        try:
+            for _, accepted in submitted:
+                await asyncio.shield(accepted)
+        except BaseException:
+            for stream, accepted in submitted:
+                if accepted.done() and not accepted.cancelled() and accepted.exception() is not None:
+                    self._forget(stream.request_id)   # refused: never admitted
+                else:
+                    stream.close()   # admitted, or may still be: aborted right after
+            raise
+        return [stream for stream, _ in submitted]
+
+    def _check_queue(self, num_prompts: int, num_samples: int) -> None:
+        if self.max_queue is None:
+            return
+        num_seqs = num_prompts * num_samples
+        if num_seqs > self.max_queue:   # no retry can help: a 400 at once, never work thrown away
+            raise InvalidRequestError("prompt" if num_prompts > 1 else "n",
+                                      f"the request makes {num_seqs} sequences ({num_prompts} prompts x "
+                                      f"{num_samples} samples), more than --max-queue={self.max_queue} "
+                                      f"can ever hold: split it")
+        waiting = self.stats.num_waiting + self._pending
+        if waiting + num_seqs > self.max_queue:
+            raise QueueFullError(f"{waiting} sequences are waiting and this request adds {num_seqs} "
                                  f"(--max-queue={self.max_queue})")
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                priority: int) -> tuple[RequestStream, asyncio.Future]:
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
-        elif request_id in self._streams:
-            raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
         stream = RequestStream(request_id, params, self._send_abort, self.observer)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._pending += params.num_samples
+        accepted.add_done_callback(lambda f: f.cancelled() or f.exception())   # one caller reads it; retrieved for the rest
         self._commands.put(("add", request_id, prompt, params, priority, accepted))
-        try:
-            await asyncio.shield(accepted)
-        except asyncio.CancelledError:
-            stream.close()  # the engine may still accept it: abort it right after
-            raise
-        except Exception:
-            self._forget(request_id)
-            raise
-        return stream
+        return stream, accepted
 
     def _send_abort(self, request_id: str) -> None:
         self._forget(request_id)

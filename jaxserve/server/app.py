@@ -142,15 +142,18 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
 
 
 def _auth_middleware(api_key: str | None):
-    expected = f"Bearer {api_key}".encode()
+    expected = (api_key or "").encode()
 
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
         if api_key is not None and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                reason = "wrong API key" if given else "missing API key (send 'Authorization: Bearer KEY')"
-                raise APIError(401, f"{reason}", None, "invalid_api_key")
+            header = request.headers.get("Authorization", "")
+            scheme, _, given = header.strip().partition(" ")
+            # HTTP auth schemes are case-insensitive: "bearer KEY" is as good as "Bearer KEY"
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+                reason = "wrong API key" if header else "missing API key (send 'Authorization: Bearer KEY')"
+                raise APIError(401, reason, None, "invalid_api_key",
+                               {"WWW-Authenticate": 'Bearer realm="jaxserve"'})
         return await handler(request)
 
     return check_key

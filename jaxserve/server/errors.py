@@ -15,8 +15,8 @@ from jaxserve.server import openai_protocol
 from jaxserve.server.openai_protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-          503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

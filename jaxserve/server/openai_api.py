@@ -13,6 +13,7 @@ from aiohttp import web
 from jaxserve.engine.async_engine import RequestStream
 from jaxserve.engine.output import CompletionOutput
 from jaxserve.errors import InvalidRequestError
+from jaxserve.server.errors import APIError
 from jaxserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.openai_protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice,
@@ -42,7 +43,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def _completion_choice(index: int, sample: CompletionOutput, texts: TokenTexts) -> CompletionChoice:
     logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, texts)
-    return CompletionChoice(index=index, text=sample.text, logprobs=logprobs, finish_reason=sample.finish_reason)
+    return CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
+                            finish_reason=openai_finish_reason(sample.finish_reason))
 
 
 async def _stream_completions(request: web.Request, body: CompletionRequest, streams: Sequence[RequestStream],
@@ -67,7 +69,7 @@ def _completion_delta(delta: ChoiceDelta, texts: TokenTexts, offsets: dict[int, 
         logprobs = completion_logprobs(delta.logprobs, texts, offsets.get(delta.choice, 0))
         offsets[delta.choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
     return CompletionChoice(index=delta.choice, text=delta.text, logprobs=logprobs,
-                            finish_reason=delta.finish_reason)
+                            finish_reason=openai_finish_reason(delta.finish_reason))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -90,7 +92,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     [output] = await final_outputs(streams)
     reply = ToolReply(body, parser)
     choices = [ChatChoice(index=c.index, message=reply.message(c.text),
-                          finish_reason=reply.finish_reason(c.text, c.finish_reason),
+                          finish_reason=reply.finish_reason(c.text, openai_finish_reason(c.finish_reason)),
                           logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts))
                for c in output.outputs]
     return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output])))
@@ -108,6 +110,7 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
         async for _, output in merged(streams):
             for delta in deltas.updates(0, output):
                 reply = replies[delta.choice]
+                openai_finish_reason(delta.finish_reason)
                 message = reply.delta(delta.text, delta.finish_reason is not None)
                 held[delta.choice] += delta.logprobs or []
                 if message is None and delta.finish_reason is None:
@@ -122,6 +125,15 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
         if body.include_usage:
             await events.send(ChatCompletionChunk(**head, choices=[], usage=usage(finals)))
     return events.response
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """OpenAI's clients know no "abort": a request the server cut short (at shutdown, past
+    --drain-timeout-s) is an error instead, a 503, or in a stream an error event."""
+    if reason == "abort":
+        raise APIError(503, "the server is shutting down and stopped this request before it finished "
+                            "(--drain-timeout-s)", None, "server_shutting_down")
+    return reason
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None,

@@ -186,6 +186,12 @@ class _OpenAIRequest(SamplingFields):
         constraint = StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
         return {"response_format": constraint, **given}
 
+    def check(self) -> None:
+        super().check()
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "stream_options applies to streamed replies only: "
+                                                        "send it with stream=true, or leave it out")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

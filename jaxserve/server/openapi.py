@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 from jaxserve.server import openai_protocol as protocol
 
 _ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "No such model", 413: "Body too large",
+           415: "The body is not sent as application/json",
            500: "The engine failed the request", 503: "Loading, draining, or the queue is full"}
 
 
@@ -39,19 +40,19 @@ class Endpoint:
 
 ENDPOINTS = (
     Endpoint("post", "/generate", "Generate from one prompt", protocol.GenerateResponse,
-             protocol.GenerateRequest, protocol.GenerateChunk, (400, 401, 413, 500, 503)),
+             protocol.GenerateRequest, protocol.GenerateChunk, (400, 401, 413, 415, 500, 503)),
     Endpoint("post", "/v1/completions", "OpenAI completions", protocol.CompletionResponse,
-             protocol.CompletionRequest, protocol.CompletionResponse, (400, 401, 413, 500, 503)),
+             protocol.CompletionRequest, protocol.CompletionResponse, (400, 401, 413, 415, 500, 503)),
     Endpoint("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionResponse,
-             protocol.ChatCompletionRequest, protocol.ChatCompletionChunk, (400, 401, 413, 500, 503)),
+             protocol.ChatCompletionRequest, protocol.ChatCompletionChunk, (400, 401, 413, 415, 500, 503)),
     Endpoint("post", "/invocations", "SageMaker's route: a chat completion if the body has messages, else a "
              "completion", (protocol.CompletionResponse, protocol.ChatCompletionResponse),
              (protocol.CompletionRequest, protocol.ChatCompletionRequest),
-             (protocol.CompletionResponse, protocol.ChatCompletionChunk), (400, 401, 413, 500, 503)),
+             (protocol.CompletionResponse, protocol.ChatCompletionChunk), (400, 401, 413, 415, 500, 503)),
     Endpoint("post", "/tokenize", "Token ids of a prompt or a conversation (vLLM's)", protocol.TokenizeResponse,
-             protocol.TokenizeRequest, errors=(400, 401, 413, 503)),
+             protocol.TokenizeRequest, errors=(400, 401, 413, 415, 503)),
     Endpoint("post", "/detokenize", "The text of token ids (vLLM's)", protocol.DetokenizeResponse,
-             protocol.DetokenizeRequest, errors=(400, 401, 413, 503)),
+             protocol.DetokenizeRequest, errors=(400, 401, 413, 415, 503)),
     Endpoint("get", "/v1/models", "The served model", protocol.ModelList),
     Endpoint("get", "/v1/models/{model}", "One served model", protocol.ModelCard, errors=(401, 404, 503)),
     Endpoint("get", "/version", "The server's version", protocol.Version, errors=(401,)),

@@ -73,7 +73,9 @@ CONTEXT = web.AppKey("jaxserve_context", ServerContext)
 
 
 async def parse_body(request: web.Request, model: type[SamplingFields]):
-    """The JSON body validated as `model`; APIError 400 on malformed JSON or an invalid field."""
+    """The JSON body validated as `model`; APIError 400 on malformed JSON or an invalid field, 415
+    on a body declared as something other than JSON."""
+    _check_content_type(request)
     raw = await request.read()  # raises 413 past the app's client_max_size
     try:
         body = model.model_validate_json(raw)
@@ -89,18 +91,22 @@ async def parse_body(request: web.Request, model: type[SamplingFields]):
     return body
 
 
+def _check_content_type(request: web.Request) -> None:
+    # A body declared as text or a form (curl's -d without -H) is not read as JSON, as vLLM refuses
+    # it too; a body with no Content-Type at all (a bare HTTP client) is.
+    if "Content-Type" not in request.headers:
+        return
+    kind = request.content_type
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise APIError(415, f"Content-Type {kind!r} is not supported: send the body as application/json", None,
+                       "unsupported_media_type")
+
+
 async def admit(engine: AsyncEngine, prompts: Sequence[str | list[int]], params: SamplingParams,
                 request_id: str, priority: int = 0) -> list[RequestStream]:
-    """One engine request per prompt; all or none (the admitted ones are aborted if one fails)."""
-    streams: list[RequestStream] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            suffix = f"-{i}" if len(prompts) > 1 else ""
-            streams.append(await engine.add_request(prompt, params, request_id + suffix, priority))
-    except BaseException:
-        close_all(streams)
-        raise
-    return streams
+    """One engine request per prompt, admitted as a unit: all or none."""
+    suffixes = [f"-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [""]
+    return await engine.add_requests(prompts, params, [request_id + s for s in suffixes], priority)
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:
