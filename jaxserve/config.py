@@ -173,6 +173,8 @@ class EngineConfig:
     coordinator_address: str | None = None  # HOST:PORT of process 0, for several processes (hosts)
     num_processes: int = 1                # processes (hosts) the mesh spans
     process_id: int = 0                   # this process; 0 serves HTTP and schedules
+    distributed_key_dir: str | None = None   # CURVE keys of the processes' channel (process-I.key[_secret])
+    insecure_distributed: bool = False    # several processes without keys: an unauthenticated channel
 
     def _resolve_mesh(self) -> None:
         """mesh from -dp/-tp when not given; when both are given they must agree."""
@@ -221,6 +223,10 @@ class EngineConfig:
         _require(self.num_processes == 1 or re.fullmatch(r".+:\d+", self.coordinator_address or "") is not None,
                  f"coordinator_address={self.coordinator_address!r} must be HOST:PORT when num_processes="
                  f"{self.num_processes} > 1")
+        _require(self.num_processes == 1 or self.distributed_key_dir is not None or self.insecure_distributed,
+                 f"num_processes={self.num_processes} needs distributed_key_dir (make the keys with `python -m "
+                 f"jaxserve.distributed keys DIR --num-processes {self.num_processes}`), or insecure_distributed "
+                 f"for a channel anyone who reaches it can read and drive")
         _require(self.max_structured_output_bytes >= 1,
                  f"max_structured_output_bytes={self.max_structured_output_bytes} must be >= 1")
         if isinstance(self.max_model_len, str):

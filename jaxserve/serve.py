@@ -67,6 +67,10 @@ HELP = {
                            "process 0 also listens on PORT+1 for the others",
     "num_processes": "processes (hosts) the mesh spans",
     "process_id": "this process's index; process 0 serves HTTP, the others follow its steps",
+    "distributed_key_dir": "CURVE keys for the channel between processes (from `python -m jaxserve.distributed "
+                           "keys DIR --num-processes N`; every host needs DIR); needed with --num-processes > 1",
+    "insecure_distributed": "several processes without keys: anyone who reaches PORT+1 can read the prompts "
+                            "and drive the followers",
     "served_model_name": "the model name(s) clients send (several: aliases); none: the model file's name",
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
@@ -194,7 +198,21 @@ def _leader(config: EngineConfig, on_lost) -> "distributed.Leader | None":
     if config.num_processes == 1:
         return None
     return distributed.Leader(distributed.control_address(config.coordinator_address),
-                              config.num_processes - 1, on_lost)
+                              config.num_processes - 1, on_lost, _keys(config))
+
+
+def _keys(config: EngineConfig) -> "distributed.Keys | None":
+    if config.distributed_key_dir is None:
+        log.warning("--insecure-distributed: the channel between processes is neither authenticated nor "
+                    "encrypted; anyone who reaches %s:%d can read the prompts and drive the followers",
+                    *distributed.control_address(config.coordinator_address))
+        return None
+    return distributed.load_keys(config.distributed_key_dir, config.process_id, config.num_processes)
+
+
+def _fingerprint(engine) -> dict[str, str]:
+    runner = engine.runner
+    return distributed.fingerprint(engine.config, runner.model.params, runner.buckets, runner.kv_pages.k.shape)
 
 
 def _build_engine(config: EngineConfig, leader: "distributed.Leader | None"):
@@ -203,7 +221,7 @@ def _build_engine(config: EngineConfig, leader: "distributed.Leader | None"):
 
     engine = LLMEngine(config, progress=progress_bar("compiling"), followers=leader)
     if leader is not None:
-        leader.wait_for_followers(FOLLOWER_TIMEOUT_S)
+        leader.wait_for_followers(FOLLOWER_TIMEOUT_S, _fingerprint(engine))
     return engine
 
 
@@ -211,9 +229,10 @@ def _follow(config: EngineConfig) -> int:
     """A process other than 0: builds the same engine, then replays process 0's device calls."""
     from jaxserve.engine.engine import LLMEngine
 
+    keys = _keys(config)
     engine = LLMEngine(config)
     return distributed.follow(engine.runner.replay, distributed.control_address(config.coordinator_address),
-                              config.process_id, FOLLOWER_TIMEOUT_S)
+                              config.process_id, FOLLOWER_TIMEOUT_S, _fingerprint(engine), keys)
 
 
 async def _until_ready_or_stopped(engine: AsyncEngine, stop: asyncio.Event) -> int | None:

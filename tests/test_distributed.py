@@ -1,23 +1,27 @@
 """Several processes as one engine: the leader-follower protocol, and two `jaxserve.serve`
 processes with 4 host devices each serving one 2x4 mesh."""
 
+import dataclasses
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 import requests
+import zmq
 
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
-from jaxserve.distributed import Leader, follow
+from jaxserve.device_calls import Array, CopyPages, Hello, Outbox, ProtocolError, ResetPool, Step, Welcome
+from jaxserve.distributed import EngineMismatchError, Keys, Leader, follow, load_keys
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from server_fixtures import TINY_ENGINE, cli_flags, free_port, wait_until_healthy
+from server_fixtures import TINY_ENGINE, cli_flags, free_port, tiny_engine, wait_until_healthy  # noqa: F401
 
 # Few step shapes: two processes compile them all, on two cores.
 SMALL_ENGINE = {**TINY_ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 32}
@@ -26,78 +30,173 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 WORDS = {"regex": "[a-z]+( [a-z]+){0,6}"}   # a constraint: the masks go to the follower too
 
 
-def _start_followers(address, count: int, replays: list[list]) -> list[threading.Thread]:
-    threads = []
-    for i in range(count):
-        replays.append([])
-        result = {}
-        thread = threading.Thread(target=lambda i=i, result=result: result.update(
-            status=follow(replays[i].append, address, i + 1, timeout=10)))
-        thread.result = result
-        thread.start()
-        threads.append(thread)
-    return threads
+FINGERPRINT = {"config.max_num_seqs": "4", "weights": "3 arrays"}
 
 
-def test_followers_replay_every_message_in_order_and_stop():
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("keys")
+    assert distributed.main(["keys", str(directory), "--num-processes", "3"]) == 0
+    return directory
+
+
+def _follower(address, process_id: int, keys=None, fingerprint=FINGERPRINT) -> threading.Thread:
+    """`follow` in a thread: its replays in `.replays`, its exit status in `.status`."""
+    thread = threading.Thread(target=lambda: setattr(thread, "status", follow(
+        thread.replays.append, address, process_id, 10, fingerprint, keys)))
+    thread.replays, thread.status = [], None
+    thread.start()
+    return thread
+
+
+def _wait(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_followers_replay_every_call_in_order_and_stop(keys):
     address = ("127.0.0.1", free_port())
-    leader = Leader(address, 2, on_lost=lambda message: pytest.fail(message))
-    replays: list[list] = []
-    followers = _start_followers(address, 2, replays)
-    leader.wait_for_followers(timeout=10)
-    messages = [("copy", [1, 2], [3, 4]), ("step", {"tokens": list(range(100_000))}), ("reset",)]
-    for message in messages:
-        leader.send(message)
+    leader = Leader(address, 2, lambda message: pytest.fail(message), load_keys(keys, 0, 3))
+    followers = [_follower(address, i, load_keys(keys, i, 3)) for i in (1, 2)]
+    leader.wait_for_followers(10, FINGERPRINT)
+    calls = [CopyPages(Array.of(np.array([1, 2], np.int32)), Array.of(np.array([3, 4], np.int32))),
+             Step(2, 0, (Array.of(np.arange(100_000, dtype=np.int32)),)), ResetPool()]
+    for call in calls:
+        leader.send(call)
     leader.close()
-    for thread in followers:
-        thread.join(timeout=10)
-        assert thread.result["status"] == 0
-    assert replays == [messages, messages]
+    for follower in followers:
+        follower.join(10)
+        assert follower.status == 0 and follower.replays == calls
+
+
+def test_key_files_are_private_and_a_missing_one_is_named(keys, tmp_path):
+    assert sorted(p.name for p in keys.iterdir())[:2] == ["process-0.key", "process-0.key_secret"]
+    assert (keys / "process-1.key_secret").stat().st_mode & 0o077 == 0
+    with pytest.raises(FileNotFoundError, match="process-1.key_secret is missing: make them with"):
+        load_keys(tmp_path, 1, 2)
+    with pytest.raises(ValueError, match="holds no secret key"):
+        (tmp_path / "process-1.key_secret").write_bytes((keys / "process-1.key").read_bytes())
+        load_keys(tmp_path, 1, 2)
+
+
+def test_a_follower_whose_key_is_not_listed_is_never_admitted(keys, tmp_path):
+    address = ("127.0.0.1", free_port())
+    leader = Leader(address, 1, lambda message: pytest.fail(message), load_keys(keys, 0, 2))
+    distributed.make_keys(tmp_path, 2)   # another deployment's keys
+    stranger = load_keys(tmp_path, 1, 2)
+    impostor = _follower(address, 1, Keys(stranger.public, stranger.secret, load_keys(keys, 0, 2).public, {}))
+    with pytest.raises(TimeoutError, match="0 of 1 follower processes connected within 2 s"):
+        leader.wait_for_followers(2, FINGERPRINT)
+    impostor.join(10)
+    assert impostor.status == 1 and impostor.replays == []
+    mine = load_keys(keys, 1, 2)
+    wrong_leader = _follower(address, 1, dataclasses.replace(mine, leader=stranger.public))
+    wrong_leader.join(10)   # the leader cannot prove the key this follower expects
+    assert wrong_leader.status == 1
+    leader.close()
+
+
+def test_strangers_on_the_port_learn_nothing_and_do_not_count(keys):
+    address = ("127.0.0.1", free_port())
+    lost = []
+    leader = Leader(address, 1, lost.append, load_keys(keys, 0, 2))
+    with socket.create_connection(address) as raw:   # not ZeroMQ at all
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)))
+        context = zmq.Context()
+        plain = context.socket(zmq.DEALER)   # ZeroMQ without CURVE
+        plain.connect(f"tcp://{address[0]}:{address[1]}")
+        plain.send(Outbox().frame(Hello(1, FINGERPRINT)))
+        follower = _follower(address, 1, load_keys(keys, 1, 2))
+        leader.wait_for_followers(10, FINGERPRINT)
+        assert plain.poll(500) == 0   # it was told nothing
+        plain.close(linger=0)
+        context.term()
+    time.sleep(0.5)   # the strangers' disconnects reach the watcher
+    assert lost == []
+    leader.send(ResetPool())
+    leader.close()
+    follower.join(10)
+    assert follower.status == 0 and follower.replays == [ResetPool()]
+
+
+def test_a_follower_with_another_engine_is_refused_naming_the_field():
+    address = ("127.0.0.1", free_port())
+    leader = Leader(address, 1, print, None)
+    follower = _follower(address, 1, fingerprint={**FINGERPRINT, "config.max_num_seqs": "8"})
+    with pytest.raises(EngineMismatchError, match=r"process 1 built another engine .*config.max_num_seqs: 4 != 8"):
+        leader.wait_for_followers(10, FINGERPRINT)
+    follower.join(10)
+    assert follower.status == 1 and follower.replays == []
+    leader.close()
 
 
 def test_a_follower_whose_leader_goes_away_exits_with_1():
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        replays: list[list] = []
-        (follower,) = _start_followers(server.getsockname(), 1, replays)
-        connection, _ = server.accept()
-        connection.recv(8)
-        connection.close()
-        follower.join(timeout=10)
-    assert follower.result["status"] == 1 and replays == [[]]
+    address = ("127.0.0.1", free_port())
+    context = zmq.Context()
+    fake = context.socket(zmq.ROUTER)   # a leader that welcomes the follower, then dies
+    fake.bind(f"tcp://{address[0]}:{address[1]}")
+    follower = _follower(address, 1)
+    routing_id, _ = fake.recv_multipart()
+    fake.send_multipart([routing_id, Outbox().frame(Welcome())])
+    time.sleep(0.3)
+    fake.close(linger=0)
+    context.term()
+    follower.join(10)
+    assert follower.status == 1 and follower.replays == []
 
 
 def test_the_leader_hears_of_a_follower_that_goes_away():
     address = ("127.0.0.1", free_port())
     lost = []
-    leader = Leader(address, 1, on_lost=lost.append)
-    with socket.create_connection(address) as follower:
-        follower.sendall(struct.pack("!Q", 7))
-        leader.wait_for_followers(timeout=10)
-    deadline = time.monotonic() + 10
-    while not lost and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert lost == ["follower process 7 went away; no step can run without it"]
+    leader = Leader(address, 1, lost.append, None)
+    context = zmq.Context()
+    follower = context.socket(zmq.DEALER)
+    follower.connect(f"tcp://{address[0]}:{address[1]}")
+    follower.send(Outbox().frame(Hello(1, FINGERPRINT)))
+    leader.wait_for_followers(10, FINGERPRINT)
+    follower.close(linger=0)
+    context.term()
+    _wait(lambda: lost)
+    assert lost == ["follower process 1 went away; no step can run without it"]
+    leader.close()
 
 
 def test_a_leader_without_its_followers_names_how_many_came():
-    leader = Leader(("127.0.0.1", free_port()), 2, on_lost=print)
+    leader = Leader(("127.0.0.1", free_port()), 2, print, None)
     with pytest.raises(TimeoutError, match="0 of 2 follower processes connected within 1 s"):
-        leader.wait_for_followers(timeout=1)
+        leader.wait_for_followers(1, FINGERPRINT)
+    leader.close()
+
+
+def test_a_replayed_step_must_have_the_runners_shapes(tiny_engine):
+    runner = tiny_engine.runner
+    with pytest.raises(ProtocolError, match=r"bucket Bucket\(num_decode=3, num_segments=0\) is not one of"):
+        runner.replay(Step(3, 0, ()))
+    with pytest.raises(ProtocolError, match="where this engine builds"):
+        runner.replay(Step(1, 0, (Array.of(np.zeros(7, np.int32)),)))
+    with pytest.raises(ProtocolError, match="Hello is not a device call"):
+        runner.replay(Hello(1, {}))
 
 
 @pytest.mark.parametrize("bad, message", [
     (dict(num_processes=2), "coordinator_address=None must be HOST:PORT"),
     (dict(num_processes=2, process_id=2, coordinator_address="h:1"), r"process_id=2 is outside \[0, num_processes=2\)"),
-    (dict(num_processes=3, coordinator_address="h:1", mesh="2x4"), "do not split evenly over num_processes=3"),
+    (dict(num_processes=3, coordinator_address="h:1", mesh="2x4", insecure_distributed=True),
+     "do not split evenly over num_processes=3"),
+    (dict(num_processes=2, coordinator_address="h:1", mesh="1x2"),
+     "num_processes=2 needs distributed_key_dir .* or insecure_distributed"),
 ])
 def test_bad_process_settings_are_named(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**bad)
 
 
-def _serve_command(directory, port: int, coordinator: str, process_id: int, cache: str) -> list[str]:
+def _serve_command(directory, port: int, coordinator: str, process_id: int, cache: str, keys) -> list[str]:
     return [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
             "--mesh", "2x4", "--coordinator-address", coordinator, "--num-processes", "2",
+            "--distributed-key-dir", str(keys),
             "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache]
 
 
@@ -109,7 +208,7 @@ def _greedy_tokens(url: str, prompt: str, **extra) -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(tiny_models, tmp_path):
+def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(tiny_models, tmp_path, keys):
     directory, _ = tiny_models("llama")
     engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
@@ -122,7 +221,7 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
     cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
     logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
-    processes = [subprocess.Popen(_serve_command(directory, port, coordinator, i, cache), stdout=logs[i],
+    processes = [subprocess.Popen(_serve_command(directory, port, coordinator, i, cache, keys), stdout=logs[i],
                                   stderr=subprocess.STDOUT) for i in range(2)]
     url = f"http://127.0.0.1:{port}"
     try:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxserve.device_calls import Array, CopyPages, DeviceCall, ProtocolError, ResetPool, Step
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -78,7 +79,7 @@ def resolve_backend(name: str) -> str:
 class Followers(Protocol):
     """The other processes of a multi-process engine (`jaxserve.distributed.Leader`)."""
 
-    def send(self, message: tuple) -> None: ...
+    def send(self, call: DeviceCall) -> None: ...
 
 
 class Runner:
@@ -109,6 +110,7 @@ class Runner:
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
+        self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
         self.last_prepare_s = 0.0   # the last execute's seconds before the device call (copies, host arrays)
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
@@ -136,9 +138,10 @@ class Runner:
         and the logprobs of those whose params ask for them."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
-        batch, rows = self.layout.build(output, self.bucket_for(output), self.num_slices)
+        bucket = self.bucket_for(output)
+        batch, rows = self.layout.build(output, bucket, self.num_slices)
         self.last_prepare_s = time.perf_counter() - started
-        samples = jax.device_get(self._run_step(batch))
+        samples = jax.device_get(self._run_step(batch, bucket))
         tokens, logprobs = {}, {}
         for i, seq in enumerate(rows):
             if seq is None:
@@ -150,22 +153,47 @@ class Runner:
                 logprobs[seq.request_id] = TokenLogprob(tokens[seq.request_id], float(samples.logprob[i]), top)
         return tokens, logprobs
 
-    def replay(self, message: tuple) -> None:
+    def replay(self, call: DeviceCall) -> None:
         """A follower process makes the device call that process 0's runner sent."""
-        kind, *args = message
-        {"copy": self._copy, "step": self._run_step, "reset": self.reset_pool}[kind](*args)
+        if isinstance(call, Step):
+            bucket = Bucket(call.num_decode, call.num_segments)
+            self._run_step(self._step_input(bucket, call.leaves), bucket)
+        elif isinstance(call, CopyPages):
+            self._copy(call.source.value(), call.destination.value())
+        elif isinstance(call, ResetPool):
+            self.reset_pool()
+        else:
+            raise ProtocolError(f"{type(call).__name__} is not a device call")
 
-    def _tell_followers(self, *message) -> None:
+    def _step_input(self, bucket: Bucket, arrays) -> StepInput:
+        """A step's arrays, as sent, back in a StepInput; they must be the shapes this runner built."""
+        if bucket not in self.buckets:
+            raise ProtocolError(f"step bucket {bucket} is not one of this engine's {self.buckets}")
+        if bucket not in self._templates:
+            empty, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
+            leaves, treedef = jax.tree.flatten(empty)
+            self._templates[bucket] = treedef, [(leaf.shape, leaf.dtype) for leaf in leaves]
+        treedef, expected = self._templates[bucket]
+        leaves = [array.value() for array in arrays]
+        got = [(leaf.shape, leaf.dtype) for leaf in leaves]
+        if got != expected:
+            raise ProtocolError(f"a step of bucket {bucket} with arrays {got}, where this engine builds {expected}")
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _tell_followers(self, call: DeviceCall) -> None:
         if self.followers is not None:
-            self.followers.send(message)
+            self.followers.send(call)
 
-    def _run_step(self, batch: StepInput):
-        self._tell_followers("step", batch)
+    def _run_step(self, batch: StepInput, bucket: Bucket):
+        if self.followers is not None:
+            self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
+                                      tuple(map(Array.of, jax.tree.leaves(batch)))))
         samples, self.kv_pages = self._step(self.model.params, self.kv_pages, self._place(batch))
         return samples
 
     def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
-        self._tell_followers("copy", source, destination)
+        if self.followers is not None:
+            self._tell_followers(CopyPages(Array.of(source), Array.of(destination)))
         self.kv_pages = self._copy_pages(self.kv_pages, source, destination)
 
     def _place(self, batch: StepInput) -> StepInput:
@@ -209,7 +237,7 @@ class Runner:
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages))
 
     def reset_pool(self) -> None:
-        self._tell_followers("reset")
+        self._tell_followers(ResetPool())
         k = self.kv_pages.k
         self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2] // self.num_slices, k.shape[3],
                                          self.kv_dtype, self.model.mesh)

@@ -1,0 +1,133 @@
+"""The messages between the processes of one engine, as a typed schema (msgspec), never pickle.
+
+Process 0 sends each device call (a step's arrays, page copies, a pool reset) to the other
+processes, which replay it. A follower first says `Hello` with a fingerprint of the engine it
+built; the leader answers `Welcome` or `Refused`. Every message travels in a `Frame` with the
+protocol version and its place in the sender's sequence; a frame of another version, out of
+order, or that does not decode as one of these kinds is a `ProtocolError`, never acted on.
+Arrays travel as dtype, shape and raw bytes, their dtype one of a fixed few.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+_DTYPES = frozenset(np.dtype(t).str for t in (np.bool_, np.int8, np.int32, np.uint32, np.int64, np.float32))
+
+
+class ProtocolError(RuntimeError):
+    """A frame that is not the next valid message of this protocol version."""
+
+
+class Array(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str                 # numpy's dtype.str, e.g. "<i4"
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, value) -> "Array":
+        value = np.ascontiguousarray(value)
+        return cls(value.dtype.str, value.shape, value.tobytes())
+
+    def value(self) -> np.ndarray:
+        if self.dtype not in _DTYPES:
+            raise ProtocolError(f"array dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        dtype = np.dtype(self.dtype)
+        if any(n < 0 for n in self.shape) or math.prod(self.shape) * dtype.itemsize != len(self.data):
+            raise ProtocolError(f"{len(self.data)} bytes do not make a {self.dtype} array of shape {self.shape}")
+        return np.frombuffer(self.data, dtype).reshape(self.shape)
+
+
+class Step(msgspec.Struct, tag="step", frozen=True):
+    num_decode: int            # the step's bucket
+    num_segments: int
+    leaves: tuple[Array, ...]  # the StepInput's arrays in pytree order
+
+
+class CopyPages(msgspec.Struct, tag="copy", frozen=True):
+    source: Array
+    destination: Array
+
+
+class ResetPool(msgspec.Struct, tag="reset", frozen=True):
+    pass
+
+
+class Stop(msgspec.Struct, tag="stop", frozen=True):
+    pass
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    process_id: int
+    fingerprint: dict[str, str]
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    pass
+
+
+class Refused(msgspec.Struct, tag="refused", frozen=True):
+    reason: str
+
+
+DeviceCall = Step | CopyPages | ResetPool | Stop
+Message = Step | CopyPages | ResetPool | Stop | Hello | Welcome | Refused
+
+
+class Frame(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    sequence: int
+    message: Message
+
+
+class Outbox:
+    """Frames one sender's messages, numbered from 0."""
+
+    def __init__(self):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._sequence = 0
+
+    def frame(self, message: Message) -> bytes:
+        data = self._encoder.encode(Frame(PROTOCOL_VERSION, self._sequence, message))
+        self._sequence += 1
+        return data
+
+
+class Inbox:
+    """Reads one sender's frames: each must be this version's, and the next in its sequence."""
+
+    def __init__(self):
+        self._decoder = msgspec.msgpack.Decoder(Frame)
+        self._version = msgspec.msgpack.Decoder(tuple)
+        self._expected = 0
+
+    def read(self, data: bytes) -> Message:
+        try:
+            frame = self._decoder.decode(data)
+        except msgspec.DecodeError as error:   # ValidationError is one: an unknown kind, a wrong field
+            raise ProtocolError(f"{self._versioned(data)}a frame that is not a valid message: {error}") from None
+        if frame.version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {frame.version}, but this process speaks {PROTOCOL_VERSION}")
+        if frame.sequence != self._expected:
+            raise ProtocolError(f"frame {frame.sequence} where frame {self._expected} was due: replayed, lost "
+                                f"or reordered")
+        self._expected += 1
+        return frame.message
+
+    def _versioned(self, data: bytes) -> str:
+        # A frame of another version may not decode as this version's Frame: say which it was.
+        try:
+            version = self._version.decode(data)[0]
+        except (msgspec.DecodeError, IndexError, TypeError):
+            return ""
+        return f"protocol version {version}: " if version != PROTOCOL_VERSION else ""
+
+
+def differences(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The fields in which two fingerprints differ, each as 'name: mine != theirs'."""
+    names = sorted(set(mine) | set(theirs))
+    return [f"{name}: {mine.get(name)} != {theirs.get(name)}" for name in names if mine.get(name) != theirs.get(name)]

@@ -1,0 +1,71 @@
+"""The typed frames between processes: what decodes, and what is refused."""
+
+import msgspec
+import numpy as np
+import pytest
+
+from jaxserve.device_calls import (
+    PROTOCOL_VERSION, Array, CopyPages, Hello, Inbox, Outbox, ProtocolError, ResetPool, Step, Stop, differences)
+
+
+def test_frames_round_trip_in_order():
+    leaves = (Array.of(np.arange(100_000, dtype=np.int32)), Array.of(np.ones((3, 4), np.float32)),
+              Array.of(np.array([True, False])), Array.of(np.zeros((2, 0), np.uint32)))
+    messages = [Hello(1, {"config.seed": "0"}), CopyPages(Array.of(np.array([1, 2], np.int32)),
+                                                          Array.of(np.array([3, 4], np.int32))),
+                Step(4, 1, leaves), ResetPool(), Stop()]
+    outbox, inbox = Outbox(), Inbox()
+    received = [inbox.read(outbox.frame(m)) for m in messages]
+    assert received == messages
+    step = received[2]
+    for sent, got in zip(leaves, step.leaves):
+        np.testing.assert_array_equal(sent.value(), got.value())
+        assert sent.value().dtype == got.value().dtype
+
+
+def test_a_replayed_or_skipped_frame_is_refused():
+    outbox, inbox = Outbox(), Inbox()
+    first, second, third = (outbox.frame(ResetPool()) for _ in range(3))
+    inbox.read(first)
+    with pytest.raises(ProtocolError, match="frame 0 where frame 1 was due: replayed"):
+        inbox.read(first)
+    with pytest.raises(ProtocolError, match="frame 2 where frame 1 was due"):
+        inbox.read(third)
+    assert inbox.read(second) == ResetPool()
+
+
+def test_a_tampered_frame_is_refused():
+    data = bytearray(Outbox().frame(Step(1, 0, (Array.of(np.arange(4, dtype=np.int32)),))))
+    data[data.index(b"step") + 1] ^= 0x20   # the kind's tag: "stEp"
+    with pytest.raises(ProtocolError, match="not a valid message"):
+        Inbox().read(bytes(data))
+    with pytest.raises(ProtocolError, match="not a valid message"):
+        Inbox().read(b"\x93\x01\x00")   # a truncated frame
+    with pytest.raises(ProtocolError, match="not a valid message"):
+        Inbox().read(b"\x80 not msgpack")
+
+
+def test_unknown_kinds_and_versions_are_errors_never_run():
+    unknown = msgspec.msgpack.encode([PROTOCOL_VERSION, 0, {"type": "exec", "code": "rm -rf /"}])
+    with pytest.raises(ProtocolError, match="not a valid message"):
+        Inbox().read(unknown)
+    other_version = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, 0, {"type": "stop"}])
+    with pytest.raises(ProtocolError, match=f"protocol version {PROTOCOL_VERSION + 1}, but this process speaks"):
+        Inbox().read(other_version)
+    future_shape = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, 0, {"type": "a kind of version 2"}])
+    with pytest.raises(ProtocolError, match=f"protocol version {PROTOCOL_VERSION + 1}: a frame"):
+        Inbox().read(future_shape)
+
+
+@pytest.mark.parametrize("array, message", [
+    (Array("|O", (1,), b"\0" * 8), "dtype '|O' is not one of"),
+    (Array("<i4", (3,), b"\0" * 8), "8 bytes do not make a <i4 array of shape (3,)"),
+    (Array("<i4", (-1, -2), b"\0" * 8), "do not make"),
+])
+def test_arrays_of_a_wrong_kind_or_size_are_refused(array, message):
+    with pytest.raises(ProtocolError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        array.value()
+
+
+def test_differences_name_each_field():
+    assert differences({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == ["b: 2 != 3", "c: None != 4"]
