@@ -26,12 +26,12 @@ class ProtocolError(RuntimeError):
 class Array(msgspec.Struct, array_like=True, frozen=True):
     dtype: str                 # numpy's dtype.str, e.g. "<i4"
     shape: tuple[int, ...]
-    data: bytes
+    data: memoryview           # no copy: the array's own buffer, and on decoding a view of the frame
 
     @classmethod
     def of(cls, value) -> "Array":
         value = np.ascontiguousarray(value)
-        return cls(value.dtype.str, value.shape, value.tobytes())
+        return cls(value.dtype.str, value.shape, memoryview(value.reshape(-1).view(np.uint8)))
 
     def value(self) -> np.ndarray:
         if self.dtype not in _DTYPES:
