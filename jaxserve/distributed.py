@@ -134,6 +134,7 @@ class Leader:
         self._socket = self._context.socket(zmq.ROUTER)
         _set_common_options(self._socket)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a send to a gone follower raises, not drops
+        self._socket.setsockopt(zmq.RCVHWM, 64)   # followers only say Hello: what else comes is never read
         if keys is not None:
             self._auth = ThreadAuthenticator(self._context, log=log.getChild("zap"))
             self._auth.start()
@@ -307,7 +308,11 @@ def follow(replay: Callable[[DeviceCall], None], address: tuple[str, int], proce
                 raise TimeoutError(f"the leader at {address[0]}:{address[1]} did not admit this process within "
                                    f"{timeout:.0f} s")
             if sock in ready:
-                status = handle(inbox.read(sock.recv()))
+                try:
+                    status = handle(inbox.read(sock.recv()))
+                except ProtocolError as error:   # never acted on: this process cannot follow any more
+                    log.error("the leader's channel sent what this process cannot follow: %s", error)
+                    return 1
             else:
                 status = _leader_event(recv_monitor_message(monitor), address, keys)
                 while status == 1 and sock.poll(0):   # first what the leader sent before it went: its Stop

@@ -16,6 +16,7 @@ def _check(ok: bool, param: str, value, allowed: str) -> None:
 MAX_LOGPROBS = 20          # top logprobs per token (OpenAI's chat limit)
 MAX_LOGIT_BIAS = 300       # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request (suppressed with EOS until min_tokens)
+MAX_STOP = 64              # stop strings per request: each new token's text is checked against all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,7 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)")
+        _check(len(self.stop) <= MAX_STOP, "stop", f"{len(self.stop)} strings", f"at most {MAX_STOP} stop strings")
         _check(all(s for s in self.stop), "stop", self.stop, "stop strings must be non-empty")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", len(self.stop_token_ids),
                f"at most {MAX_STOP_TOKEN_IDS} ids")

@@ -147,6 +147,21 @@ def test_a_follower_whose_leader_goes_away_exits_with_1():
     assert follower.status == 1 and follower.replays == []
 
 
+def test_a_follower_exits_on_a_frame_it_cannot_follow():
+    address = ("127.0.0.1", free_port())
+    context = zmq.Context()
+    fake = context.socket(zmq.ROUTER)   # a leader whose second frame is not a message
+    fake.bind(f"tcp://{address[0]}:{address[1]}")
+    follower = _follower(address, 1)
+    routing_id, _ = fake.recv_multipart()
+    fake.send_multipart([routing_id, Outbox().frame(Welcome())])
+    fake.send_multipart([routing_id, b"\x93\x01\x01\x81\xa4type\xa4exec"])
+    follower.join(10)
+    fake.close(linger=0)
+    context.term()
+    assert follower.status == 1 and follower.replays == []
+
+
 def test_the_leader_hears_of_a_follower_that_goes_away():
     address = ("127.0.0.1", free_port())
     lost = []

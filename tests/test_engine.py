@@ -218,3 +218,43 @@ def test_step_observer_is_told_where_each_step_went(engine):
         assert min(t.schedule, t.prepare, t.update, t.outputs) >= 0 and t.device > 0
     # The parts are disjoint slices of the loop's wall time.
     assert sum(t.host + t.device for t in times) <= wall
+
+
+def test_non_finite_logits_fail_only_their_request(engine, monkeypatch):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = generate(engine, "a neighbour", greedy)[0].token_ids
+    step = engine.runner._step
+
+    def poisoned(params, kv_pages, batch):   # rows sampled at temperature 0.5 get NaN logits
+        samples, kv_pages = step(params, kv_pages, batch)
+        return samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), kv_pages
+
+    monkeypatch.setattr(engine.runner, "_step", poisoned)
+    victim = engine.add_request("the victim", SamplingParams(temperature=0.5, seed=1, max_tokens=6, n=2))
+    neighbour = engine.add_request("a neighbour", greedy)
+    finished = drain(engine)
+    assert "logits were not finite" in finished[victim].error
+    assert finished[neighbour].error is None and finished[neighbour].outputs[0].token_ids == alone
+    assert pool_is_full(engine)
+    monkeypatch.setattr(engine.runner, "_step", step)
+    assert len(generate(engine, "the victim", SamplingParams(temperature=0.5, seed=1, max_tokens=6))[0].token_ids) == 6
+
+
+def test_a_tokenizer_failing_on_one_request_fails_only_it(engine, monkeypatch):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = generate(engine, "a neighbour", greedy)[0].token_ids
+    cursed = next(t for t in range(5, 100) if t not in alone)
+    decode = engine.tokenizer.decode
+
+    def fussy(ids, **kwargs):
+        if cursed in ids:
+            raise ValueError(f"cannot decode {cursed}")
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", fussy)
+    victim = engine.add_request("the victim", SamplingParams(temperature=0, max_tokens=6, logit_bias={cursed: 100}))
+    neighbour = engine.add_request("a neighbour", greedy)
+    finished = drain(engine)
+    assert f"making the output failed: ValueError: cannot decode {cursed}" in finished[victim].error
+    assert finished[neighbour].error is None and finished[neighbour].outputs[0].token_ids == alone
+    assert pool_is_full(engine)

@@ -169,3 +169,12 @@ def test_truncation_still_applies_beside_suppressed_tokens():
     logits = np.tile(np.log(PROBS), (500, 1))
     rows = [row(SamplingParams(top_k=2, min_tokens=1), seed, suppressed=(3,)) for seed in range(500)]
     assert set(sample_jit(logits, rows).tolist()) == {0, 1} == set(reference.tolist())
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_rows_with_nan_or_inf_logits_are_flagged(logprobs):
+    logits = np.random.default_rng(4).normal(size=(4, 50)).astype(np.float32)
+    logits[1, 7], logits[2, 3] = np.nan, np.inf
+    rows = [row(SamplingParams(temperature=t, seed=1, logprobs=logprobs), seed=1) for t in (0, 0.8, 0, 1.0)]
+    samples = jax.device_get(_sample_jit(logits, tensors(rows, 4, 50)))
+    assert samples.finite.tolist() == [True, False, False, True]

@@ -85,6 +85,8 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens", "min_tokens=-1 is out of range"),
     ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority", "priority='high' is invalid"),
     ("/v1/completions", {"prompt": "x", "stop": ["ok", ""]}, 400, "stop", "stop strings must be non-empty"),
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "stop",
+     "stop='65 strings' is out of range: at most 64 stop strings"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens", "min_tokens=20"),
     ("/v1/completions", {"prompt": "x", "seed": -5}, 400, "seed", "seed=-5 is out of range"),
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None, "not valid JSON: unexpected end of hex escape"),

@@ -132,7 +132,9 @@ def test_quantized_weights_and_kv_cache_agree_across_meshes(quantization, kv_cac
 
 @pytest.mark.slow
 def test_smollm2_tokens_are_identical_across_meshes(tmp_path):
-    meshes = "1x1,1x2,2x1,2x4,1x8"          # 12/4 and 24/8 heads: both ways of padding; data slices
+    # 2x4: data slices and 12/4 heads (3 KV heads padded to 4); 1x8: 24/8 heads. The tiny models
+    # cover 1x2 and 2x1 (test_logits_agree_across_meshes); here each mesh costs ~90 s.
+    meshes = "1x1,2x4,1x8"
     results = run_worker("-", tmp_path / "out.npz", meshes, "--engine")
     for mesh in meshes.split(",")[1:]:
         # 30 layers, logits up to ~20: float32 sums in another order drift by up to ~1.2e-4

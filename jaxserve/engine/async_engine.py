@@ -266,7 +266,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._pending += params.num_samples
-        accepted.add_done_callback(lambda f: f.cancelled() or f.exception())   # one caller reads it; retrieved for the rest
+        # A batch's caller reads the first failure only: the others are marked retrieved here.
+        accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._commands.put(("add", request_id, prompt, params, priority, accepted))
         return stream, accepted
 

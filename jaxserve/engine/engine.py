@@ -36,6 +36,9 @@ from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+NON_FINITE = ("the model's logits were not finite (NaN or inf) for this request: it is failed, the other "
+              "requests of the step go on")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
@@ -276,13 +279,15 @@ class LLMEngine:
         output = self._with_token_masks(output)
         masked = time.perf_counter()
         try:
-            sampled, logprobs = self.runner.execute(output)
+            sampled, logprobs, non_finite = self.runner.execute(output)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
             return self._fail_step(output, error)
         executed = time.perf_counter()
+        # Before update: their chunk's pages must not reach the prefix cache.
+        results = self._fail_requests(non_finite, NON_FINITE) if non_finite else []
         advanced = self.scheduler.update(output, sampled)
         updated = time.perf_counter()
-        results = self._outputs({r.request_id for r in advanced}, sampled, logprobs)
+        results += self._outputs({r.request_id for r in advanced}, sampled, logprobs)
         if self.step_observer is not None:
             prepare = self.runner.last_prepare_s
             self.step_observer(StepTimes(
@@ -325,12 +330,16 @@ class LLMEngine:
                 token = sampled[sample.request_id]
                 if sample.request_id in logprobs:
                     sample_logprobs.append(logprobs[sample.request_id])
-                group.error = group.error or self._constrain(sample, token)
-                if text.add(token) and not sample.is_finished:
-                    self.scheduler.abort(sample.request_id, FinishReason.STOP)
-                if sample.is_finished:
-                    text.finish()
-                    self._matchers.pop(sample.request_id, None)
+                try:
+                    group.error = group.error or self._constrain(sample, token)
+                    if text.add(token) and not sample.is_finished:
+                        self.scheduler.abort(sample.request_id, FinishReason.STOP)
+                    if sample.is_finished:
+                        text.finish()
+                        self._matchers.pop(sample.request_id, None)
+                except Exception as error:  # noqa: BLE001 - a tokenizer failing on one request fails it alone
+                    log.exception("output of request %s failed", request_id)
+                    group.error = f"making the output failed: {type(error).__name__}: {error}"
             if touched and group.first_token_time is None:
                 group.first_token_time = time.monotonic()
             if group.error:
@@ -355,13 +364,18 @@ class LLMEngine:
         if pool_lost:
             failed |= {r.request_id for r in self.scheduler.running}
             self.runner.reset_pool()
+        results = self._fail_requests(failed, f"engine step failed: {type(error).__name__}: {error}")
+        if pool_lost:
+            self.scheduler.clear_cache()   # after the failed requests released their pages
+        return results
+
+    def _fail_requests(self, failed: set[str], message: str) -> list[RequestOutput]:
+        """Fails every request with a sample in `failed`; their final outputs carry `message`."""
         results = []
         for request_id, group in list(self._groups.items()):
             if any(s.request_id in failed for s in group.samples):
-                group.error = f"engine step failed: {type(error).__name__}: {error}"
+                group.error = message
                 self._fail_group(group)
                 results.append(group.output(request_id))
                 del self._groups[request_id]
-        if pool_lost:
-            self.scheduler.clear_cache()   # after the failed requests released their pages
         return results

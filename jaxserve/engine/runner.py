@@ -133,25 +133,29 @@ class Runner:
                     progress(i + 1, len(self.buckets))
             compiles[0].result()
 
-    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob], set[str]]:
         """Runs one step. Returns the token sampled for each sequence whose chunk reached its end,
-        and the logprobs of those whose params ask for them."""
+        the logprobs of those whose params ask for them, and the sequences whose logits were not
+        finite (NaN or inf: no token for them)."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
         batch, rows = self.layout.build(output, bucket, self.num_slices)
         self.last_prepare_s = time.perf_counter() - started
         samples = jax.device_get(self._run_step(batch, bucket))
-        tokens, logprobs = {}, {}
+        tokens, logprobs, non_finite = {}, {}, set()
         for i, seq in enumerate(rows):
             if seq is None:
+                continue
+            if not samples.finite[i]:
+                non_finite.add(seq.request_id)
                 continue
             tokens[seq.request_id] = int(samples.tokens[i])
             if batch.sampling.logprobs[i]:
                 k = seq.params.logprobs or 0
                 top = tuple(zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))
                 logprobs[seq.request_id] = TokenLogprob(tokens[seq.request_id], float(samples.logprob[i]), top)
-        return tokens, logprobs
+        return tokens, logprobs, non_finite
 
     def replay(self, call: DeviceCall) -> None:
         """A follower process makes the device call that process 0's runner sent."""

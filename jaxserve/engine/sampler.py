@@ -49,6 +49,7 @@ class Samples:
     logprob: jax.Array       # [S] float32: the sampled token's (0 where not asked)
     top_ids: jax.Array       # [S, MAX_LOGPROBS] int32, most likely first
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
+    finite: jax.Array        # [S] bool: the row's logits held no NaN or inf (else its token means nothing)
 
 
 def row_seed(seed: int, token_index: int) -> int:
@@ -78,7 +79,8 @@ def sample(logits: jax.Array, s: SamplingTensors) -> Samples:
 
     sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
     tokens = jnp.where(s.temperature == 0, greedy, sampled)
-    return jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
+    samples = jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
+    return samples.replace(finite=jnp.all(jnp.isfinite(raw), axis=-1))
 
 
 def _mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -105,13 +107,14 @@ def _with_logprobs(raw: jax.Array, tokens: jax.Array) -> Samples:
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
     pad = ((0, 0), (0, MAX_LOGPROBS - top_ids.shape[-1]))   # tiny test vocabularies only
     logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return Samples(tokens, logprob, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logprobs, pad))
+    return Samples(tokens, logprob, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logprobs, pad),
+                   jnp.ones(tokens.shape, jnp.bool_))
 
 
 def _without_logprobs(raw: jax.Array, tokens: jax.Array) -> Samples:
     num_rows = raw.shape[0]
     return Samples(tokens, jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32),
-                   jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
+                   jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32), jnp.ones(num_rows, jnp.bool_))
 
 
 def _truncate(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
