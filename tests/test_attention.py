@@ -35,6 +35,19 @@ def dense_reference(q, k, v):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_matches_dense_attention(backend, heads, kv_heads, page_size, seed):
+    check_against_dense_attention(backend, heads, kv_heads, page_size, seed)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_stale_nan_in_reused_pages_reaches_no_one(backend):
+    # A request whose model wrote NaN K/V is failed and its pages reused: the slots past a new
+    # request's length still hold NaN, and a masked weight of 0 times NaN must not reach it.
+    check_against_dense_attention(backend, 9, 3, 4, 0, stale=np.nan)
+
+
+def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, stale=None):
+    """Random ragged sequences over a pool whose slots they do not fill hold random values, or
+    `stale`; the result must be dense attention's."""
     rng = np.random.default_rng(seed)
     dim, num_pages, segment = 16, 256, 8
     layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64,
@@ -42,6 +55,8 @@ def test_matches_dense_attention(backend, heads, kv_heads, page_size, seed):
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
     k_pool = rng.normal(size=(2, kv_heads, num_pages, page_size, dim)).astype(np.float32)
     v_pool = rng.normal(size=k_pool.shape).astype(np.float32)
+    if stale is not None:
+        k_pool[:, :, 1:], v_pool[:, :, 1:] = stale, stale   # page 0, padding's, is never a request's
     layer = 1
     sequences, new_q, new_k, new_v, expected = [], [], [], [], []
     for i in range(int(rng.integers(1, 7))):

@@ -139,6 +139,7 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
     qg = q.reshape(num_seqs, q_len, kv_heads, rep, head_dim).transpose(2, 0, 3, 1, 4)
     qg = qg.reshape(kv_heads, num_seqs, rep * q_len, head_dim).astype(jnp.float32) * (head_dim ** -0.5)
     q_pos = jnp.tile(q_pos, (1, rep))[None, :, :, None]  # [1, G, rep * Q, 1]
+    last_pos = q_pos.max(axis=2)                          # [1, G, 1]: the furthest any query sees
 
     def visit_chunk(i, carry):
         m, l, acc = carry
@@ -153,6 +154,8 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
         p = jnp.exp(s - m_new) * visible
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(axis=-1, keepdims=True)
+        # Slots past a sequence's end may hold a failed request's NaN: 0 weight * NaN is NaN.
+        v = jnp.where((i * chunk_len + jnp.arange(chunk_len) <= last_pos)[..., None], v, 0)
         acc = acc * correction + jnp.einsum("hgqc,hgcd->hgqd", p, v)
         return m_new, l, acc
 
