@@ -16,7 +16,7 @@ def _check(ok: bool, param: str, value, allowed: str) -> None:
 MAX_LOGPROBS = 20          # top logprobs per token (OpenAI's chat limit)
 MAX_LOGIT_BIAS = 300       # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request (suppressed with EOS until min_tokens)
-MAX_STOP = 64              # stop strings per request: each new token's text is checked against all
+MAX_STOP = 16              # stop strings per request: each new token's text is checked against all
 
 
 @dataclasses.dataclass(frozen=True)

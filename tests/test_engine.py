@@ -258,3 +258,8 @@ def test_a_tokenizer_failing_on_one_request_fails_only_it(engine, monkeypatch):
     assert f"making the output failed: ValueError: cannot decode {cursed}" in finished[victim].error
     assert finished[neighbour].error is None and finished[neighbour].outputs[0].token_ids == alone
     assert pool_is_full(engine)
+
+
+def test_more_stop_strings_than_allowed_are_refused():
+    with pytest.raises(InvalidRequestError, match="stop='17 strings' is out of range: at most 16 stop strings"):
+        SamplingParams(stop=[f"s{i}" for i in range(17)])

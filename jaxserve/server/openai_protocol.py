@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.engine.request import FinishReason   # "error" never reaches a body: a failed request is an error reply
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams, StructuredOutputsParams
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
