@@ -21,21 +21,21 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 serve: $(STAMP)
-	$(PY) -m jaxserve.serve
+	$(VENV)/bin/jaxserve serve
 
 generate: $(STAMP)
-	$(PY) -m jaxserve.generate "$(or $(PROMPT),Write a haiku about the sea.)"
+	$(VENV)/bin/jaxserve generate "$(or $(PROMPT),Write a haiku about the sea.)"
 
 bench: $(STAMP)
-	$(PY) tools/bench_offline.py --workload ../shared/workloads/anchor-64.jsonl --compare-hf
+	$(VENV)/bin/jaxserve bench offline --workload ../shared/workloads/anchor-64.jsonl --compare-hf
 
 bench-prefix: $(STAMP)
-	$(PY) tools/bench_serving.py --workload ../shared/workloads/shared-prefix.jsonl --concurrency 8 --warmup 1 \
+	$(VENV)/bin/jaxserve bench serve --workload ../shared/workloads/shared-prefix.jsonl --concurrency 8 --warmup 1 \
 		--launch "--enable-prefix-caching" --launch "--no-enable-prefix-caching"
 
 # --max-num-seqs above the 8 streams, so the long prompt is admitted at once
 bench-chunked: $(STAMP)
-	$(PY) tools/bench_serving.py --workload ../shared/workloads/shared-prefix.jsonl --scenario long-prompt \
+	$(VENV)/bin/jaxserve bench serve --workload ../shared/workloads/shared-prefix.jsonl --scenario long-prompt \
 		--launch "--enable-chunked-prefill --max-model-len 2304 --max-num-seqs 16" \
 		--launch "--no-enable-chunked-prefill --max-model-len 2304 --max-num-batched-tokens 2304 --max-num-seqs 16"
 

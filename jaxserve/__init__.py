@@ -7,7 +7,15 @@
 The architecture is described in `jaxserve.engine`.
 """
 
-from jaxserve.llm import LLM
-from jaxserve.sampling_params import SamplingParams
-
 __all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """Imported on first use, so that `jaxserve --help` does not wait for JAX."""
+    if name == "LLM":
+        from jaxserve.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from jaxserve.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

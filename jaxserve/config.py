@@ -152,8 +152,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"          # KV pages: auto (the compute dtype), int8, fp8 (fp8_e4m3)
     max_model_len: int | None = None      # default: the model's context length (also "4k", "32K")
     page_size: int = 16                   # tokens per KV page
-    kv_cache_gb: float = 1.0              # KV pool size, when num_pages is not given
-    num_pages: int | None = None          # exact KV pool size in pages (tests), overrides kv_cache_gb
+    gpu_memory_utilization: float | None = None   # vLLM's: the share of each device's memory for weights,
+                                          # steps and KV pool (default 0.9 on TPU/GPU; on CPU only if given)
+    kv_cache_memory_bytes: int | None = None   # KV pool size in bytes (also "8G"), over all devices
+    kv_cache_gb: float | None = None      # KV pool size in GiB; none: from the budget above (CPU: 1 GiB)
+    num_pages: int | None = None          # exact KV pool size in pages (tests); wins over the three above
     max_num_seqs: int = 32                # sequences per step
     max_num_batched_tokens: int = 512     # tokens per step (prefill chunks + decodes)
     prefill_chunk: int = 16               # query tokens per prefill segment in the attention layout
@@ -198,7 +201,11 @@ class EngineConfig:
                  f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
                  f"page_size={self.page_size} must be a power of two >= 1")
-        _require(self.kv_cache_gb > 0, f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        _require(self.kv_cache_gb is None or self.kv_cache_gb > 0, f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1,
+                 f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1")
+        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         _require(self.num_pages is None or self.num_pages >= 2,
                  f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved for padding)")
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1")
@@ -224,8 +231,8 @@ class EngineConfig:
                  f"coordinator_address={self.coordinator_address!r} must be HOST:PORT when num_processes="
                  f"{self.num_processes} > 1")
         _require(self.num_processes == 1 or self.distributed_key_dir is not None or self.insecure_distributed,
-                 f"num_processes={self.num_processes} needs distributed_key_dir (make the keys with `python -m "
-                 f"jaxserve.distributed keys DIR --num-processes {self.num_processes}`), or insecure_distributed "
+                 f"num_processes={self.num_processes} needs distributed_key_dir (make the keys with `jaxserve "
+                 f"keys DIR --num-processes {self.num_processes}`), or insecure_distributed "
                  f"for a channel anyone who reaches it can read and drive")
         _require(self.max_structured_output_bytes >= 1,
                  f"max_structured_output_bytes={self.max_structured_output_bytes} must be >= 1")

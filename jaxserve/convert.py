@@ -53,8 +53,8 @@ def _count(tensors) -> int | None:
     return len(tensors) if hasattr(tensors, "__len__") else None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.convert", description=__doc__,
+def main(argv=None, prog: str = "python -m jaxserve.convert") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a .gguf file, an HF directory, or 'default'")
     parser.add_argument("out", help="the directory to write (must be new or empty)")

@@ -9,7 +9,7 @@ the same order, as a multi-process program requires.
 The channel is a ZeroMQ ROUTER socket on the leader, bound to the coordinator's address at its
 port + 1 (never to all interfaces), with one DEALER per follower. Messages are the typed frames
 of `jaxserve.device_calls`, never pickle. With keys (`--distributed-key-dir`, made by
-`python -m jaxserve.distributed keys DIR --num-processes N`) the channel is CURVE-encrypted and
+`jaxserve keys DIR --num-processes N`) the channel is CURVE-encrypted and
 authenticated both ways: the leader admits only the listed followers' public keys, and a follower
 talks only to the holder of process 0's key. Without keys (`--insecure-distributed`) anyone who
 reaches the port could read the users' prompts and drive the followers.
@@ -51,7 +51,7 @@ HEARTBEAT_TIMEOUT_MS = 10_000
 _HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _EVENTS = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED
-KEYS_HELP = "make them with `python -m jaxserve.distributed keys DIR --num-processes N` and copy DIR to every host"
+KEYS_HELP = "make them with `jaxserve keys DIR --num-processes N` and copy DIR to every host"
 
 
 class FollowerLostError(RuntimeError):
@@ -357,8 +357,8 @@ def fingerprint(config: EngineConfig, params, buckets, kv_shape) -> dict[str, st
             "kv_pages": repr(tuple(kv_shape))}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.distributed",
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.distributed") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Tools for serving from several processes.")
     commands = parser.add_subparsers(dest="command", required=True)
     keys = commands.add_parser("keys", help="make a CURVE key pair per process for --distributed-key-dir")

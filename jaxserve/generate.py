@@ -21,8 +21,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import chat_prompt_ids
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__,
+def parse_args(argv=None, prog: str = "python -m jaxserve.generate") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
     parser.add_argument("--model", default=None, help="HF dir, .gguf file or jaxserve.convert dir "
@@ -50,8 +50,8 @@ def prompt_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
     return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "python -m jaxserve.generate") -> int:
+    args = parse_args(argv, prog)
     logging.basicConfig(level=logging.WARNING)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -69,6 +69,8 @@ class SamplingParams:
     logprobs: int | None = None         # None: no logprobs; k: the sampled token's and the top k's
     best_of: int | None = None          # samples to generate, of which the n most likely are returned
     structured_outputs: StructuredOutputsParams | None = None   # the text must match this constraint
+    allowed_token_ids: tuple[int, ...] | None = None   # only these tokens may be sampled (vLLM's)
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens; -1: max_model_len
 
     def __post_init__(self):
         # Accept lists from callers, keep tuples so the object stays hashable.
@@ -77,6 +79,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids})))
+            _check(len(self.allowed_token_ids) >= 1, "allowed_token_ids", [], "must name at least one token")
+        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+               or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens", self.truncate_prompt_tokens,
+               "must be >= 1, or -1 (max_model_len)")
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")

@@ -45,8 +45,12 @@ HELP = {
                       "one scale of 1); narrow pages need --attention-backend xla",
     "max_model_len": "context length (4k = 4000, 4K = 4096); none: the model's",
     "page_size": "tokens per KV cache page",
-    "kv_cache_gb": "KV cache size in GiB (unless --num-pages is given)",
-    "num_pages": "exact KV cache size in pages",
+    "gpu_memory_utilization": "share of each device's memory (TPU/GPU: its XLA limit; CPU: the host's) for the "
+                              "weights, the largest step and the KV cache, which gets what is left; none: 0.9 on "
+                              "TPU/GPU, unused on CPU",
+    "kv_cache_memory_bytes": "KV cache size in bytes over all devices (also 8G, 512M)",
+    "kv_cache_gb": "KV cache size in GiB; none: from --gpu-memory-utilization on TPU/GPU, 1 GiB on CPU",
+    "num_pages": "exact KV cache size in pages (wins over the other sizes)",
     "max_num_seqs": "sequences per engine step",
     "max_num_batched_tokens": "tokens per engine step",
     "prefill_chunk": "query tokens per prefill segment",
@@ -67,8 +71,8 @@ HELP = {
                            "process 0 also listens on PORT+1 for the others",
     "num_processes": "processes (hosts) the mesh spans",
     "process_id": "this process's index; process 0 serves HTTP, the others follow its steps",
-    "distributed_key_dir": "CURVE keys for the channel between processes (from `python -m jaxserve.distributed "
-                           "keys DIR --num-processes N`; every host needs DIR); needed with --num-processes > 1",
+    "distributed_key_dir": "CURVE keys for the channel between processes (from `jaxserve keys DIR "
+                           "--num-processes N`; every host needs DIR); needed with --num-processes > 1",
     "insecure_distributed": "several processes without keys: anyone who reaches PORT+1 can read the prompts "
                             "and drive the followers",
     "served_model_name": "the model name(s) clients send (several: aliases); none: the model file's name",
@@ -88,14 +92,16 @@ HELP = {
     "tool_call_parser": "how the model writes tool calls, for tool_choice auto",
 }
 SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "pipeline_parallel_size": ("-pp",)}
-def _size(text: str) -> int:
-    try:
-        return parse_size(text, "max_model_len")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None   # argparse shows only this kind's message
+def _size(name: str):
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None   # argparse shows only this kind's message
+    return parse
 
 
-TYPES = {"max_model_len": _size}
+TYPES = {"max_model_len": _size("max_model_len"), "kv_cache_memory_bytes": _size("kv_cache_memory_bytes")}
 NARGS = {"served_model_name": "+"}
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
@@ -119,17 +125,24 @@ def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:
                                nargs=NARGS.get(field.name), **options)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__.split("\n")[0],
+def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> tuple[EngineConfig, ServerConfig]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", type=pathlib.Path, default=None,
                         help="a TOML file of the fields below (e.g. configs/*.toml); flags override it")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it: "
+                                                                       "the same as --model")
     _add_fields(parser, EngineConfig)
     _add_fields(parser, ServerConfig)
     config_file = parser.parse_known_args(argv)[0].config
     if config_file is not None:
         parser.set_defaults(**_read_config_file(parser, config_file))
     args = vars(parser.parse_args(argv))
+    tag = args.pop("model_tag")
+    if tag is not None:
+        if args["model"] not in (None, parser.get_default("model"), tag):
+            parser.error(f"the model is given twice, as {tag!r} and as --model {args['model']!r}: give one")
+        args["model"] = tag
     try:
         engine = EngineConfig(**{f.name: args[f.name] for f in dataclasses.fields(EngineConfig)})
         server = ServerConfig(**{f.name: args[f.name] for f in dataclasses.fields(ServerConfig)})
@@ -256,8 +269,8 @@ def warn_if_open(config: ServerConfig) -> None:
                     config.host)
 
 
-def main(argv: list[str] | None = None) -> int:
-    engine_config, server_config = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
+    engine_config, server_config = parse_args(argv, prog)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if server_config.log_level != "debug":

@@ -65,10 +65,12 @@ class IncrementalDetokenizer:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready for the reply
-    unless `add_generation_prompt` is false; `tools` (OpenAI function definitions) for a template
+    unless `add_generation_prompt` is false, or with the last message left open for the reply to
+    continue (`continue_final_message`); `tools` (OpenAI function definitions) for a template
     that renders them."""
     ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=False)
+                                        continue_final_message=continue_final_message, tokenize=True,
+                                        return_dict=False)
     return [int(i) for i in ids]

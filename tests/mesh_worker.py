@@ -69,16 +69,16 @@ def engine_tokens(model, mesh: str) -> np.ndarray:
     engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=96, max_num_seqs=4, max_num_batched_tokens=64,
                                     prefill_chunk=32, max_model_len=256), model=model)
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Once upon a time"]
-    ids = [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=32, ignore_eos=True))
+    ids = [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=16, ignore_eos=True))
            for p in prompts for t in (0.0, 0.8)]
     # Constrained samples beside them (structured outputs' masks laid out over the data slices too).
     words = StructuredOutputsParams(regex="[A-Za-z]+( [A-Za-z]+){0,12}")
-    ids += [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=32, structured_outputs=words))
+    ids += [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=16, structured_outputs=words))
             for p in prompts[:2] for t in (0.0, 0.8)]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return np.array([done[i] + [-1] * (32 - len(done[i])) for i in ids])   # -1: a constrained sample ended
+    return np.array([done[i] + [-1] * (16 - len(done[i])) for i in ids])   # -1: a constrained sample ended
 
 
 def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str) -> None:

@@ -31,7 +31,7 @@ def test_narrow_pools_hold_more_tokens_in_the_same_bytes():
     assert per_page["float16"] == 2 * per_page["fp8"] and per_page["float32"] == 4 * per_page["fp8"]
     assert per_page["int8"] / per_page["float16"] == pytest.approx((64 + 4) / 128)   # a float32 scale per token-head
     config = EngineConfig(kv_cache_gb=0.01)
-    pages = {name: kv_pool.num_pages(config, MODEL, kv_pool.resolve_kv_dtype(name, jnp.float32), 64)
+    pages = {name: kv_pool.num_pages(config, MODEL, kv_pool.resolve_kv_dtype(name, jnp.float32), 64)[0]
              for name in ("auto", "fp8")}
     assert pages["fp8"] == pytest.approx(4 * pages["auto"], abs=4)
 

@@ -1,5 +1,6 @@
 """Logits parity with Hugging Face transformers for every supported family, through the paged path."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -64,3 +65,21 @@ def test_variants_read_their_family_switches(tiny_models):
     assert qwen3.qk_norm and qwen3.head_dim == 24
     assert load_model(str(tiny_models("smollm2_tied")[0]), "float32").config.tie_word_embeddings
     assert load_model(str(tiny_models("llama3_rope")[0]), "float32").config.rope_scaling.factor == 8.0
+
+
+def test_float16_logits_match_transformers_in_float16(tiny_models):
+    """`--dtype float16` end to end on CPU: weights, activations and KV pages in float16."""
+    import copy
+
+    directory, hf_model = tiny_models("llama")
+    model = load_model(str(directory), "float16")
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(model.params)} == {"float16"}
+    prompt = np.random.default_rng(2).integers(0, model.config.vocab_size, PROMPT_LEN).tolist()
+    half = copy.deepcopy(hf_model).half()
+    with torch.no_grad():
+        generated = half.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, min_new_tokens=4)
+        reference = half(generated).logits[0].float().numpy()
+    prefill, decoded = _paged_logits(model, prompt, generated[0, PROMPT_LEN:].tolist())
+    assert prefill.dtype == np.float32   # the sampler's logits are float32 whatever the compute dtype
+    np.testing.assert_allclose(prefill, reference[:PROMPT_LEN], atol=3e-2, rtol=0)
+    np.testing.assert_allclose(decoded, reference[PROMPT_LEN:PROMPT_LEN + 4], atol=3e-2, rtol=0)

@@ -300,6 +300,7 @@ MODELS = {  # name: (heads, kv_heads, head_dim, layers, dtype)
     "smollm2": (9, 3, 64, 30, jnp.float32),
     "smollm2-mesh4": (12, 4, 64, 30, jnp.float32),
     "llama3-8b": (32, 8, 128, 32, jnp.bfloat16),
+    "llama3-8b-float16": (32, 8, 128, 32, jnp.float16),   # --dtype float16
 }
 EXPORT_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}
 

@@ -1,6 +1,7 @@
 """`python -m jaxserve.serve`: 503 while loading, one ready line, SIGTERM drains and exits 0."""
 
 import json
+import pathlib
 import signal
 import subprocess
 import sys
@@ -113,22 +114,77 @@ def test_shipped_configs_parse():
 
 
 @pytest.mark.slow
-def test_serve_on_a_2x4_mesh_of_host_devices_answers(tmp_path):
-    """The embedded model, two data slices of four devices each."""
+def test_serve_on_a_2x4_mesh_of_host_devices_answers(tmp_path, tiny_models):
+    """Two data slices of four devices each (the tiny model's 2 KV heads replicated over 4)."""
+    directory, _ = tiny_models("llama")
+    log = serve_one_completion([sys.executable, "-m", "jaxserve.serve", "--model", str(directory),
+                                *cli_flags(TINY_ENGINE), "--mesh", "2x4"], tmp_path)
+    assert "running on 8 host devices" in log
+
+
+def serve_one_completion(command: list[str], tmp_path, timeout: float = 300) -> str:
+    """Starts `command` (a server) on a free port, asks it for one 5-token completion, stops it
+    with SIGTERM (it must exit 0); returns its log."""
     port = free_port()
-    command = [sys.executable, "-m", "jaxserve.serve", *cli_flags(TINY_ENGINE), "--mesh", "2x4", "--port", str(port),
+    command = [*command, "--port", str(port),
                "--compile-cache-dir", jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")]
     stderr = open(tmp_path / "stderr.txt", "w")
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout=300)
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout=timeout)
         reply = requests.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
-        assert "running on 8 host devices" in (tmp_path / "stderr.txt").read_text()
+        return (tmp_path / "stderr.txt").read_text()
     finally:
         if server.poll() is None:
             server.kill()
         stderr.close()
+
+
+JAXSERVE = str(pathlib.Path(sys.executable).parent / "jaxserve")   # the console script the package installs
+
+
+@pytest.mark.parametrize("command, says", [
+    ([], "serve      the OpenAI-compatible server"), (["serve"], "usage: jaxserve serve [-h]"),
+    (["bench", "serve"], "usage: jaxserve bench serve"), (["bench", "offline"], "usage: jaxserve bench offline"),
+    (["generate"], "usage: jaxserve generate"), (["convert"], "usage: jaxserve convert"),
+    (["keys"], "usage: jaxserve keys"),
+])
+def test_the_console_command_has_help_for_each_command(command, says):
+    done = subprocess.run([JAXSERVE, *command, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and says in done.stdout, done.stderr
+
+
+def test_the_console_command_refuses_an_unknown_command():
+    done = subprocess.run([JAXSERVE, "srve"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown command 'srve'" in done.stderr and "'serve'" in done.stderr
+
+
+def test_serve_takes_the_model_as_vllm_serve_does():
+    assert parse_args(["some/dir"])[0].model == "some/dir"
+    assert parse_args(["some/dir", "--model", "some/dir"])[0].model == "some/dir"
+    with pytest.raises(SystemExit):
+        parse_args(["some/dir", "--model", "other/dir"])
+
+
+@pytest.mark.slow
+def test_the_guides_vllm_command_line_serves(tmp_path, smollm2_tokenizer):
+    """The guide's vLLM line with only the command and the model changed: a 1x2 mesh, the pool sized
+    from the memory budget. 0.5 is the guide's share; where the host already uses more than 40% of
+    its memory (other test processes), the share is what is in use plus 10%."""
+    from conftest import write_tiny_model
+    from jaxserve.engine.memory_budget import host_memory
+
+    directory = tmp_path / "model"
+    write_tiny_model(directory, "llama", smollm2_tokenizer, max_position_embeddings=4096)
+    total, in_use = host_memory()
+    utilization = max(0.5, round(in_use / total + 0.1, 2))
+    log = serve_one_completion([JAXSERVE, "serve", str(directory), "--tensor-parallel-size", "2", "--dtype",
+                                "float32", "--max-model-len", "4096", "--gpu-memory-utilization", str(utilization),
+                                "--host", "127.0.0.1", "--enable-prefix-caching"], tmp_path, timeout=600)
+    assert "mesh 1x2 on the CPU: running on 2 host devices" in log
+    assert f"from gpu_memory_utilization={utilization:g} ({utilization:g} x " in log
+    assert "x 2 devices = " in log

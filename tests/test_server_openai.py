@@ -20,6 +20,10 @@ def client(server):
     return openai_client(server, timeout=60)
 
 
+def counts(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 def generate(server, **body):
     reply = requests.post(f"{server.url}/generate", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
@@ -52,7 +56,7 @@ def test_streamed_completion_equals_non_streamed(client):
     assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
-    assert chunks[-1].usage == whole.usage
+    assert counts(chunks[-1].usage) == counts(whole.usage)   # cached_tokens differ: the second finds the first's pages
 
 
 def test_n2_and_several_prompts(client):
@@ -81,7 +85,7 @@ def test_chat(client, tiny_engine):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == choice.message.content
     assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].usage == reply.usage
+    assert counts(chunks[-1].usage) == counts(reply.usage)   # cached_tokens differ: the second finds the first's pages
 
 
 def test_chat_n2_streamed_with_max_completion_tokens(client):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_offline import DEFAULT_WORKLOAD, read_workload
+from jaxserve.bench.offline import DEFAULT_WORKLOAD, read_workload
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=256,
             intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ragged paged attention on an NVIDIA GPU, compiled (not interpreted): the kernel tests, then the
-# benchmark, then a summary table. Finishes within 5 minutes (each step has its own timeout).
+# benchmark, then the KV pool sized from the GPU's memory under load, then a summary table.
+# Finishes within 8 minutes (each step has its own timeout).
 #
 # Setup, once, from the repo root:   pip install -e '.[cuda,test]'    (jax[cuda13])
 # Run, from the repo root:           tools/gpu_check.sh
@@ -44,6 +45,7 @@ assert jax.default_backend() == "gpu", "no GPU backend: install jax[cuda13] (pip
 JAXSERVE_PALLAS_INTERPRET=0 run_step tests 150 "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_ragged_paged_attention.py -rs
 run_step bench 110 "$PY" tools/bench_kernels.py --runs 10
+run_step memory 150 "$PY" tools/bench_memory.py --device --utilization 0.5 --num-requests 32
 
 echo
 echo "=== summary"
@@ -53,4 +55,6 @@ tests_line=$(grep -E '(passed|failed|error)' "$LOG_DIR/tests.log" | tail -n 1)
 echo "tests: ${tests_line:-no result}"
 echo "bench: kernel vs reference per shape (ms, GB/s, share of copy bandwidth)"
 grep -E '^(decode|prefill|mixed)|^  (kernel|reference|jax ops decode) ' "$LOG_DIR/bench.log" || true
+echo "memory: KV pool sized by --gpu-memory-utilization 0.5, peak bytes in use against the budget"
+grep -E 'KV pool:|share|^ +0\.' "$LOG_DIR/memory.log" || true
 ! printf '%s\n' "${SUMMARY[@]}" | grep -qE 'FAILED|TIMEOUT'

@@ -30,9 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from launch_server import LaunchedServer  # noqa: E402
+from jaxserve.bench.launch import LaunchedServer
 
 TIMEOUT_S = 300
 QUESTIONS = ["Name three rivers.", "What is 2 + 2?", "Write a haiku about rain.", "Say hello in French.",

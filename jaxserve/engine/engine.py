@@ -17,6 +17,8 @@ import random
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from jaxserve.checkpoint.loader import LoadedModel, load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import kv_pages as kv_pool
@@ -24,9 +26,10 @@ from jaxserve.engine.output import CompletionOutput, RequestMetrics, RequestOutp
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
+from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
 from jaxserve.engine.runner import Followers, Runner
 from jaxserve.engine.sampler import row_seed
-from jaxserve.engine.structured_output import Grammars
+from jaxserve.engine.structured_output import Grammars, pack_tokens
 from jaxserve.engine.scheduler import SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
@@ -111,7 +114,7 @@ class _Group:
         scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
         metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error,
-                             metrics)
+                             metrics, self.samples[0].num_cached_tokens)
 
     def _sample_output(self, i: int) -> CompletionOutput:
         sample, logprobs = self.samples[i], self.logprobs[i]
@@ -138,7 +141,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         num_slices = kv_pool.num_data_slices(self.model.mesh)
         kv_dtype = kv_pool.resolve_kv_dtype(config.kv_cache_dtype, self.model.dtype)
-        pages = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices)
+        self.runner = Runner(self.model, None, config.page_size, self.max_model_len, config.max_num_seqs,
+                             config.max_num_batched_tokens, config.prefill_chunk,
+                             attention_backend=config.attention_backend, followers=followers,
+                             kv_cache_dtype=config.kv_cache_dtype)
+        pages, source = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices,
+                                          self._memory_budget())
+        self.runner.allocate_pool(pages)
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
                            for _ in range(num_slices)]
         self.scheduler = SlicedScheduler(
@@ -146,24 +155,31 @@ class LLMEngine:
                             config.enable_chunked_prefill, config.scheduling_policy,
                             config.priority_max_wait_steps),
             self.allocators)
-        self.runner = Runner(self.model, pages, config.page_size, self.max_model_len, config.max_num_seqs,
-                             config.max_num_batched_tokens, config.prefill_chunk,
-                             attention_backend=config.attention_backend, followers=followers,
-                             kv_cache_dtype=config.kv_cache_dtype)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
                                  config.max_structured_output_bytes)
         self._matchers: dict = {}   # sample id -> its grammar's matcher (structured outputs)
+        self._allowed: dict[str, np.ndarray] = {}   # sample id -> packed mask of its allowed_token_ids
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self.step_observer: Callable[[StepTimes], None] | None = None   # told each step's StepTimes
-        log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s)", num_slices, pages - 1,
+        log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s), from %s", num_slices, pages - 1,
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
-                 * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name)
+                 * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name,
+                 source)
         started = time.perf_counter()
         self.runner.warm_up(progress)
         log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets), time.perf_counter() - started)
+
+    def _memory_budget(self) -> PoolBudget | None:
+        """What the devices have left for the pool, after the weights and the largest step, when no
+        flag sizes the pool (see memory_budget)."""
+        devices = self.runner.devices()
+        if not kv_pool.sized_by_budget(self.config, devices[0].platform):
+            return None
+        step_bytes = self.runner.step_bytes()
+        return pool_budget(device_memory(devices), kv_pool.utilization(self.config), step_bytes)
 
     def _max_model_len(self) -> int:
         limit = self.model.config.max_position_embeddings
@@ -189,6 +205,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._truncate(text, token_ids, params.truncate_prompt_tokens)
         max_tokens = self._check_lengths(len(token_ids), params)
         self._check_sampling(params)
         constraint = params.structured_outputs
@@ -206,7 +223,22 @@ class LLMEngine:
         self._groups[request_id] = _Group(text, list(token_ids), samples, texts)
         if grammar is not None:
             self._matchers.update((s.request_id, self.grammars.matcher(grammar)) for s in samples)
+        if params.allowed_token_ids is not None:
+            allowed = pack_tokens(params.allowed_token_ids, self.model.config.vocab_size)
+            self._allowed.update((s.request_id, allowed) for s in samples)
         return request_id
+
+    def _truncate(self, text: str | None, token_ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+        """truncate_prompt_tokens: only the prompt's last `keep` tokens (-1: max_model_len's worth)."""
+        if keep is None:
+            return text, token_ids
+        if keep > self.max_model_len:
+            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} exceeds "
+                                                                f"max_model_len={self.max_model_len}")
+        keep = self.max_model_len if keep == -1 else keep
+        if len(token_ids) <= keep:
+            return text, token_ids
+        return None, token_ids[-keep:]
 
     def _check_sampling(self, params: SamplingParams) -> None:
         if params.num_samples > self.config.max_num_seqs:
@@ -214,7 +246,8 @@ class LLMEngine:
             raise InvalidRequestError(name, f"{name}={params.num_samples} exceeds max_num_seqs="
                                             f"{self.config.max_num_seqs}, the most samples one step can hold")
         vocab = self.model.config.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(name, f"token id {bad[0]} in {name} is outside the vocabulary [0, {vocab})")
@@ -252,7 +285,7 @@ class LLMEngine:
         if group is None:
             return None
         for sample, text in zip(group.samples, group.texts):
-            self._matchers.pop(sample.request_id, None)
+            self._forget_masks(sample.request_id)
             if not sample.is_finished:
                 self.scheduler.abort(sample.request_id)
                 text.finish()
@@ -297,12 +330,17 @@ class LLMEngine:
         return results
 
     def _with_token_masks(self, output: SchedulerOutput) -> SchedulerOutput:
-        """The step with the allowed-token mask of each constrained sequence that samples in it."""
-        constrained = [s.request_id for s in output.sequences if s.samples and s.request_id in self._matchers]
-        if not constrained:
-            return output
-        masks = self.grammars.fill_masks([self._matchers[i] for i in constrained])
-        return dataclasses.replace(output, token_masks=dict(zip(constrained, masks)))
+        """The step with the allowed-token mask of each sequence that samples in it under a grammar
+        (structured outputs) or allowed_token_ids, or both (then a token must pass both)."""
+        sampling = [s.request_id for s in output.sequences if s.samples]
+        constrained = [i for i in sampling if i in self._matchers]
+        masks = {}
+        if constrained:
+            masks = dict(zip(constrained, self.grammars.fill_masks([self._matchers[i] for i in constrained])))
+        for i in sampling:
+            if i in self._allowed:
+                masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
+        return dataclasses.replace(output, token_masks=masks) if masks else output
 
     def _constrain(self, sample: Request, token: int) -> str | None:
         """Moves an unfinished constrained sample's grammar past its new token: finishes the sample
@@ -336,7 +374,7 @@ class LLMEngine:
                         self.scheduler.abort(sample.request_id, FinishReason.STOP)
                     if sample.is_finished:
                         text.finish()
-                        self._matchers.pop(sample.request_id, None)
+                        self._forget_masks(sample.request_id)
                 except Exception as error:  # noqa: BLE001 - a tokenizer failing on one request fails it alone
                     log.exception("output of request %s failed", request_id)
                     group.error = f"making the output failed: {type(error).__name__}: {error}"
@@ -353,8 +391,12 @@ class LLMEngine:
     def _fail_group(self, group: _Group) -> None:
         """Ends every sample of a request whose `error` is set; their pages return to the pool."""
         for sample in group.samples:
-            self._matchers.pop(sample.request_id, None)
+            self._forget_masks(sample.request_id)
             self.scheduler.abort(sample.request_id, FinishReason.ERROR)
+
+    def _forget_masks(self, sample_id: str) -> None:
+        self._matchers.pop(sample_id, None)
+        self._allowed.pop(sample_id, None)
 
     def _fail_step(self, output, error: Exception) -> list[RequestOutput]:
         """Fails the requests of a step that raised (all running ones if the pool was lost)."""

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.memory_budget import PoolBudget
 from jaxserve.models.layers.attention import KVPages
 from jaxserve.sharding import KV_POOL_SPEC
 
@@ -36,15 +37,46 @@ def bytes_per_page(model: ModelConfig, page_size: int, dtype) -> int:
     return 2 * model.num_layers * page_size * model.num_kv_heads * per_value
 
 
-def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: int, num_slices: int = 1) -> int:
-    """Pages per data slice (its page 0 included), the pool split evenly between `num_slices`;
-    fails if one max-length sequence cannot fit in a slice."""
+CPU_KV_CACHE_GB = 1.0               # the pool on CPU unless a flag sizes it
+GPU_MEMORY_UTILIZATION = 0.9        # vLLM's default on TPU/GPU
+
+
+def sized_by_budget(config: EngineConfig, platform: str) -> bool:
+    """True when no flag gives the pool's size and it comes from the device's memory: always on
+    TPU/GPU, on CPU only with --gpu-memory-utilization."""
+    given = (config.num_pages, config.kv_cache_memory_bytes, config.kv_cache_gb)
+    return all(v is None for v in given) and (config.gpu_memory_utilization is not None or platform != "cpu")
+
+
+def utilization(config: EngineConfig) -> float:
+    return config.gpu_memory_utilization if config.gpu_memory_utilization is not None else GPU_MEMORY_UTILIZATION
+
+
+def _pool_bytes(config: EngineConfig, budget: PoolBudget | None) -> tuple[float, str, str]:
+    """(bytes, where they come from, the flag that changes them)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}", \
+            "--kv-cache-memory-bytes"
+    if config.kv_cache_gb is not None:
+        return config.kv_cache_gb * 2**30, f"kv_cache_gb={config.kv_cache_gb:g}", "--kv-cache-gb"
+    if budget is not None:
+        return budget.total, f"gpu_memory_utilization={budget.utilization:g} ({budget.describe()})", \
+            "--gpu-memory-utilization"
+    return CPU_KV_CACHE_GB * 2**30, f"kv_cache_gb={CPU_KV_CACHE_GB:g} (the CPU default)", "--kv-cache-gb"
+
+
+def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: int, num_slices: int = 1,
+              budget: PoolBudget | None = None) -> tuple[int, str]:
+    """(pages per data slice, its page 0 included; where the size comes from), the pool split evenly
+    between `num_slices`. `budget`: the memory left on the devices when `sized_by_budget`. Fails if
+    one max-length sequence cannot fit in a slice."""
     if config.num_pages is not None:
-        total = config.num_pages
+        total, flag = config.num_pages, "--num-pages"
         source = f"num_pages={total}"
     else:
-        total = int(config.kv_cache_gb * 2**30 // bytes_per_page(model, config.page_size, dtype))
-        source = f"kv_cache_gb={config.kv_cache_gb} ({total} pages)"
+        size, source, flag = _pool_bytes(config, budget)
+        total = int(size // bytes_per_page(model, config.page_size, dtype))
+        source += f": {total} pages"
     pages = total // num_slices
     if num_slices > 1:
         source += f" split over {num_slices} data slices ({pages} pages each)"
@@ -54,27 +86,34 @@ def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: in
             f"the KV pool is too small: {source} holds {max(pages - 1, 0) * config.page_size} tokens per slice, "
             f"but one sequence of max_model_len={max_model_len} needs {needed - 1} pages of {config.page_size} "
             f"tokens plus the reserved page 0 ({needed} pages, "
-            f"{needed * bytes_per_page(model, config.page_size, dtype) / 2**30:.3f} GiB)")
-    return pages
+            f"{needed * bytes_per_page(model, config.page_size, dtype) / 2**30:.3f} GiB); raise {flag} "
+            f"or lower --max-model-len")
+    return pages, source
 
 
 def num_data_slices(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape["data"]
 
 
-def allocate(model: ModelConfig, pages_per_slice: int, page_size: int, dtype, mesh: Mesh | None = None) -> KVPages:
-    """Zeros, created in place: on the default device, or over the mesh, each data slice's pages
-    on its devices and KV heads split over `model`."""
+def abstract(model: ModelConfig, pages_per_slice: int, page_size: int, dtype, mesh: Mesh | None = None) -> KVPages:
+    """The pool's shapes, dtypes and shardings (`ShapeDtypeStruct`s): each data slice's pages on its
+    devices, KV heads split over `model`."""
     pages = pages_per_slice * num_data_slices(mesh)
     shape = (model.num_layers, model.num_kv_heads, pages, page_size, model.head_dim)
 
-    def zeros(shape, dtype):
-        if mesh is None:
-            return jnp.zeros(shape, dtype)
-        spec = P(*KV_POOL_SPEC[:len(shape)])
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
+    def struct(shape, dtype):
+        sharding = None if mesh is None else NamedSharding(mesh, P(*KV_POOL_SPEC[:len(shape)]))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     scales = {}
     if is_scaled(dtype):
-        scales = dict(k_scale=zeros(shape[:-1], jnp.float32), v_scale=zeros(shape[:-1], jnp.float32))
-    return KVPages(k=zeros(shape, dtype), v=zeros(shape, dtype), **scales)
+        scales = dict(k_scale=struct(shape[:-1], jnp.float32), v_scale=struct(shape[:-1], jnp.float32))
+    return KVPages(k=struct(shape, dtype), v=struct(shape, dtype), **scales)
+
+
+def allocate(model: ModelConfig, pages_per_slice: int, page_size: int, dtype, mesh: Mesh | None = None) -> KVPages:
+    """Zeros, created in place where `abstract` places them."""
+    def zeros(struct):
+        return jax.jit(lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=struct.sharding)()
+
+    return jax.tree.map(zeros, abstract(model, pages_per_slice, page_size, dtype, mesh))

@@ -45,6 +45,7 @@ class RequestOutput:
     finished: bool
     error: str | None = None          # set with finish_reason "error"
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None   # prompt tokens read from the prefix cache (None: not admitted yet)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Request:
     priority: int = 0               # lower runs sooner under the priority policy
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None   # monotonic: first admitted to the running batch
+    num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at first admission
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -83,7 +83,7 @@ class Followers(Protocol):
 
 
 class Runner:
-    def __init__(self, model, pages_per_slice: int, page_size: int, max_model_len: int, max_num_seqs: int,
+    def __init__(self, model, pages_per_slice: int | None, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
                  attention_backend: str = "xla", followers: Followers | None = None, kv_cache_dtype: str = "auto"):
         self.model = model
@@ -101,7 +101,10 @@ class Runner:
         self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
         self.buckets = step_buckets(max_num_seqs, max_num_batched_tokens, prefill_segment)
-        self.kv_pages = kv_pool.allocate(model.config, pages_per_slice, page_size, self.kv_dtype, model.mesh)
+        self.page_size = page_size
+        self.kv_pages = None   # allocated here, or by `allocate_pool` once its size is known (step_bytes)
+        if pages_per_slice is not None:
+            self.allocate_pool(pages_per_slice)
         attention = PallasPagedAttention() if self.attention_backend == "pallas" else XlaPagedAttention(pages_per_chunk)
         self._batch_sharding = None
         if model.mesh is not None:
@@ -115,6 +118,25 @@ class Runner:
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
         return smallest_bucket(self.buckets, self.layout.needs(output, self.num_slices))
+
+    def devices(self) -> list:
+        """The devices the weights and the pool live on."""
+        if self.model.mesh is not None:
+            return list(self.model.mesh.devices.flat)
+        return list(jax.tree.leaves(self.model.params)[0].devices())
+
+    def allocate_pool(self, pages_per_slice: int) -> None:
+        self.kv_pages = kv_pool.allocate(self.model.config, pages_per_slice, self.page_size, self.kv_dtype,
+                                         self.model.mesh)
+
+    def step_bytes(self) -> int:
+        """Temporary bytes per device of the largest bucket's step: compiled (once, and thrown away)
+        over a pool of the smallest size, since a step's temporaries do not grow with the pool."""
+        pool = kv_pool.abstract(self.model.config, self.layout.table_width + 1, self.page_size, self.kv_dtype,
+                                self.model.mesh)
+        batch, _ = self.layout.build(SchedulerOutput(()), self.buckets[-1], self.num_slices)
+        compiled = self._step.lower(self.model.params, pool, self._place(batch)).compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles the step for every bucket. Tracing holds the GIL, so it runs on this thread;
@@ -189,7 +211,7 @@ class Runner:
             self.followers.send(call)
 
     def _run_step(self, batch: StepInput, bucket: Bucket):
-        if self.followers is not None:
+        if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
                                       tuple(map(Array.of, jax.tree.leaves(batch)))))
         samples, self.kv_pages = self._step(self.model.params, self.kv_pages, self._place(batch))

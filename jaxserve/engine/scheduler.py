@@ -178,6 +178,8 @@ class Scheduler:
             self.allocator.free(request.request_id)
             request.num_computed_tokens = 0
             return 0
+        if request.num_cached_tokens is None:   # a preempted request's readmission keeps the first count
+            request.num_cached_tokens = request.num_computed_tokens
         if self.allocator.enable_caching:
             self.counters.prefix_cache_queries += request.num_tokens
             self.counters.prefix_cache_hits += request.num_computed_tokens

@@ -35,6 +35,14 @@ def mask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def pack_tokens(token_ids, vocab_size: int) -> np.ndarray:
+    """[mask_width] int32: the packed mask that allows exactly `token_ids` (allowed_token_ids)."""
+    words = np.zeros(mask_width(vocab_size), np.uint32)
+    ids = np.asarray(token_ids, np.int64)
+    np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
 class Grammars:
     """Compiles constraints for one tokenizer and fills the allowed-token masks of a step."""
 

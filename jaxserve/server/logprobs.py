@@ -21,15 +21,18 @@ LOWEST_LOGPROB = -9999.0
 
 
 class TokenTexts:
-    """Each token id's text, decoded once per request."""
+    """Each token id's text, decoded once per request; `as_ids`: 'token_id:N' instead (vLLM's
+    return_tokens_as_token_ids, for tokens whose text alone is not valid UTF-8)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
         self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         if token_id not in self._texts:
-            self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = (f"token_id:{token_id}" if self._as_ids else
+                                     self._tokenizer.decode([token_id], skip_special_tokens=False))
         return self._texts[token_id]
 
 

@@ -11,7 +11,7 @@ import jinja2
 from aiohttp import web
 
 from jaxserve.engine.async_engine import RequestStream
-from jaxserve.engine.output import CompletionOutput
+from jaxserve.engine.output import RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.server.errors import APIError
 from jaxserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -30,32 +30,56 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
     model = context.check_model(body.model)
     params = await context.sampling_params(body, body.max_new_tokens())
-    texts = TokenTexts(context.engine.loaded().tokenizer)
+    tokenizer = context.engine.loaded().tokenizer
+    texts = TokenTexts(tokenizer, body.return_tokens_as_token_ids)
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
     streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority)
     if body.stream:
-        return await _stream_completions(request, body, streams, head, params.n, texts)
+        return await _stream_completions(request, body, streams, head, params.n, texts, tokenizer)
     outputs = await final_outputs(streams)
-    choices = [_completion_choice(p * params.n + sample.index, sample, texts)
-               for p, output in enumerate(outputs) for sample in output.outputs]
+    choices = []
+    for p, output in enumerate(outputs):
+        echo = _prompt_text(output, tokenizer) if body.echo else ""
+        for sample in output.outputs:
+            logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, texts)
+            choices.append(CompletionChoice(
+                index=p * params.n + sample.index, text=echo + sample.text, logprobs=logprobs,
+                finish_reason=openai_finish_reason(sample.finish_reason),
+                **_token_ids(body, output.prompt_token_ids, sample.token_ids)))
     return json_response(CompletionResponse(**head, choices=choices, usage=usage(outputs)))
 
 
-def _completion_choice(index: int, sample: CompletionOutput, texts: TokenTexts) -> CompletionChoice:
-    logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, texts)
-    return CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
-                            finish_reason=openai_finish_reason(sample.finish_reason))
+def _prompt_text(output: RequestOutput, tokenizer) -> str:
+    """What echo repeats: the prompt's text, decoded when it came as token ids."""
+    return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
+
+
+def _token_ids(body, prompt_token_ids: list[int] | None, token_ids: list[int]) -> dict:
+    """return_token_ids's fields of a choice; the prompt's only where given (a stream's first chunk)."""
+    if not body.return_token_ids:
+        return {}
+    return dict(token_ids=list(token_ids), **({} if prompt_token_ids is None else
+                                              dict(prompt_token_ids=list(prompt_token_ids))))
 
 
 async def _stream_completions(request: web.Request, body: CompletionRequest, streams: Sequence[RequestStream],
-                              head: dict, n: int, texts: TokenTexts) -> web.StreamResponse:
-    deltas, finals = TextDeltas(n), []
+                              head: dict, n: int, texts: TokenTexts, tokenizer) -> web.StreamResponse:
+    deltas, finals, latest = TextDeltas(n), [], {}
     offsets: dict[int, int] = {}   # choice -> length of the token texts sent (the next text_offset)
+    started: set[int] = set()      # choices whose first chunk was sent (echo and prompt ids go in it)
     async with EventStream(request) as events:
         async for p, output in merged(streams):
+            latest[p] = output
             for delta in deltas.updates(p, output):
-                await events.send(CompletionResponse(
-                    **head, choices=[_completion_delta(delta, texts, offsets)]))
+                first = delta.choice not in started
+                started.add(delta.choice)
+                choice = _completion_delta(delta, texts, offsets)
+                extra = _token_ids(body, output.prompt_token_ids if first else None, delta.token_ids)
+                if first and body.echo:
+                    extra["text"] = _prompt_text(output, tokenizer) + choice.text
+                choice = choice.model_copy(update=extra)
+                await events.send(CompletionResponse(**head, choices=[choice], usage=usage(latest.values())
+                                                     if body.continuous_usage else None))
             if output.finished:
                 finals.append(output)
         if body.include_usage:
@@ -83,43 +107,54 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                  "send tool_choice 'required', 'none' or a named function")
     params = await context.sampling_params(body, body.max_new_tokens())
     tokenizer = context.engine.loaded().tokenizer
-    prompt = chat_prompt(tokenizer, *conversation(body, tokenizer.chat_template, parser))
+    messages, tools = conversation(body, tokenizer.chat_template, parser)
+    prompt = chat_prompt(tokenizer, messages, tools, body.add_generation_prompt is not False,
+                         bool(body.continue_final_message))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
     streams = await admit(context.engine, [prompt], params, head["id"], body.priority)
-    texts = TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer, body.return_tokens_as_token_ids)
+    # echo: a reply that continues the assistant's last message starts with it (vLLM's)
+    echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
     if body.stream:
-        return await _stream_chat(request, body, streams, head, params.n, texts, parser)
+        return await _stream_chat(request, body, streams, head, params.n, texts, parser, prompt, echo)
     [output] = await final_outputs(streams)
     reply = ToolReply(body, parser)
-    choices = [ChatChoice(index=c.index, message=reply.message(c.text),
+    choices = [ChatChoice(index=c.index, message=reply.message(echo + c.text),
                           finish_reason=reply.finish_reason(c.text, openai_finish_reason(c.finish_reason)),
-                          logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts))
+                          logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts),
+                          **_token_ids(body, None, c.token_ids))
                for c in output.outputs]
-    return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output])))
+    return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output]),
+                                                **({"prompt_token_ids": prompt} if body.return_token_ids else {})))
 
 
 async def _stream_chat(request: web.Request, body: ChatCompletionRequest, streams: Sequence[RequestStream],
-                       head: dict, n: int, texts: TokenTexts, parser: str | None) -> web.StreamResponse:
+                       head: dict, n: int, texts: TokenTexts, parser: str | None, prompt: list[int],
+                       echo: str) -> web.StreamResponse:
     deltas, finals = TextDeltas(n), []
     replies = [ToolReply(body, parser) for _ in range(n)]
-    held = [[] for _ in range(n)]   # per choice: logprobs of tokens whose text a tool reply holds back
+    held = [([], []) for _ in range(n)]   # per choice: logprobs and ids of tokens whose text a tool reply holds
     async with EventStream(request) as events:
         for choice in range(n):
             await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
-                index=choice, delta=Delta(role="assistant", content=""))]))
+                index=choice, delta=Delta(role="assistant", content=echo))],
+                **({"prompt_token_ids": prompt} if body.return_token_ids and choice == 0 else {})))
         async for _, output in merged(streams):
             for delta in deltas.updates(0, output):
                 reply = replies[delta.choice]
                 openai_finish_reason(delta.finish_reason)
                 message = reply.delta(delta.text, delta.finish_reason is not None)
-                held[delta.choice] += delta.logprobs or []
+                held[delta.choice][0].extend(delta.logprobs or [])
+                held[delta.choice][1].extend(delta.token_ids)
                 if message is None and delta.finish_reason is None:
                     continue
-                logprobs, held[delta.choice] = held[delta.choice], []
+                (logprobs, token_ids), held[delta.choice] = held[delta.choice], ([], [])
                 await events.send(ChatCompletionChunk(**head, choices=[ChatStreamChoice(
                     index=delta.choice, delta=message or Delta(),
                     finish_reason=reply.finish_reason(reply.text, delta.finish_reason),
-                    logprobs=chat_logprobs(logprobs, texts) if logprobs else None)]))
+                    logprobs=chat_logprobs(logprobs, texts) if logprobs else None,
+                    **_token_ids(body, None, token_ids))],
+                    usage=usage([output]) if body.continuous_usage else None))
             if output.finished:
                 finals.append(output)
         if body.include_usage:
@@ -137,9 +172,9 @@ def openai_finish_reason(reason: str | None) -> str | None:
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
     """The conversation through the tokenizer's chat template (by default ready for the assistant's reply)."""
     try:
-        return chat_prompt_ids(tokenizer, messages, tools, add_generation_prompt)
+        return chat_prompt_ids(tokenizer, messages, tools, add_generation_prompt, continue_final_message)
     except jinja2.TemplateError as error:
         raise InvalidRequestError("messages", f"the chat template rejected the messages: {error}") from None

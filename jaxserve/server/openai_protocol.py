@@ -81,6 +81,10 @@ class SamplingFields(_Request):
     guided_grammar: str | None = Field(None, description="As structured_outputs.grammar.")
     priority: int = Field(0, description="Lower runs sooner under --scheduling-policy priority (first come, "
                                          "first served within a level); no effect under fcfs.")
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = Field(
+        None, description="vLLM's: only these tokens may be sampled.")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        None, description="vLLM's: keep only the prompt's last k tokens (-1: max_model_len's worth).")
     stream: bool | None = False
 
     def sampling_params(self, max_tokens: int | None, vocab_size: int) -> SamplingParams:
@@ -93,7 +97,9 @@ class SamplingFields(_Request):
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
             logit_bias=token_bias(self.logit_bias or {}, vocab_size),
-            logprobs=self.num_logprobs(), best_of=self.samples_to_rank(), structured_outputs=self.constraint())
+            logprobs=self.num_logprobs(), best_of=self.samples_to_rank(), structured_outputs=self.constraint(),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def constraints(self) -> dict[str, StructuredOutputsParams]:
         """The structured-output constraints the body gives, by the field that gives each."""
@@ -157,6 +163,7 @@ class ResponseFormat(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = Field(False, description="vLLM's: usage in every chunk as well.")
 
 
 class _OpenAIRequest(SamplingFields):
@@ -169,6 +176,10 @@ class _OpenAIRequest(SamplingFields):
     store: bool | None = Field(None, description="Only false: nothing is stored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored (nothing is stored).")
     service_tier: Literal["auto", "default"] | None = None
+    return_token_ids: bool | None = Field(False, description="vLLM's: the prompt's and each choice's token ids "
+                                                             "too (prompt_token_ids, token_ids).")
+    return_tokens_as_token_ids: bool | None = Field(False, description="vLLM's: logprobs name tokens as "
+                                                                       "'token_id:N' instead of their text.")
 
     UNSUPPORTED: ClassVar[dict] = {"store": False}
 
@@ -196,6 +207,10 @@ class _OpenAIRequest(SamplingFields):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -212,10 +227,13 @@ class CompletionRequest(_OpenAIRequest):
                           "not with stream.")
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict] = {**_OpenAIRequest.UNSUPPORTED, "echo": False, "suffix": None}
+    UNSUPPORTED: ClassVar[dict] = {**_OpenAIRequest.UNSUPPORTED, "suffix": None}
 
     def check(self) -> None:
         super().check()
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo", "echo with logprobs would need the prompt's logprobs, which this "
+                                              "server does not compute yet: send echo or logprobs, not both")
         n = self.n or 1
         if self.stream and self.best_of is not None and self.best_of > n:
             raise InvalidRequestError("best_of", f"best_of={self.best_of} cannot be streamed: only the finished "
@@ -273,6 +291,9 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
+    # Unknown keys are ignored, as OpenAI and vLLM do: clients add their own to messages.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -293,9 +314,22 @@ class ChatCompletionRequest(_OpenAIRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools (needs --enable-auto-tool-choice), none without.")
     parallel_tool_calls: bool | None = Field(True, description="False: at most one call per reply.")
+    echo: bool | None = Field(False, description="vLLM's: the reply starts with the last message's content when "
+                                                 "that message is the assistant's (continue_final_message).")
+    add_generation_prompt: bool | None = Field(True, description="End the prompt ready for an assistant reply.")
+    continue_final_message: bool | None = Field(False, description="Leave the last (assistant) message open: "
+                                                                   "the reply continues it.")
 
     def check(self) -> None:
         super().check()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                                                "cannot both be true: send add_generation_prompt "
+                                                                "false to continue the last message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message", f"continue_final_message continues the last "
+                                                                f"message, which must be the assistant's, not "
+                                                                f"{self.messages[-1].role!r}")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true")
         choice = self.tool_mode()
@@ -374,10 +408,15 @@ class DetokenizeRequest(_Request):
 
 # ---- responses -----------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens read from the prefix cache.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -390,11 +429,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(description="Where each token's text starts in the completion text.")
 
 
+# return_token_ids's fields: left out of the JSON unless asked for
+_token_ids = dict(default=None, exclude_if=lambda v: v is None)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_token_ids: list[int] | None = Field(**_token_ids)
+    token_ids: list[int] | None = Field(**_token_ids)
 
 
 class CompletionResponse(BaseModel):
@@ -434,6 +479,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
+    token_ids: list[int] | None = Field(**_token_ids)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -443,6 +489,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(**_token_ids)
 
 
 class FunctionCallDelta(BaseModel):
@@ -471,6 +518,7 @@ class ChatStreamChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
+    token_ids: list[int] | None = Field(**_token_ids)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -480,6 +528,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(**_token_ids)
 
 
 class TokenIdLogprob(BaseModel):

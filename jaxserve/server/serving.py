@@ -23,7 +23,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, validation_error
-from jaxserve.server.openai_protocol import SamplingFields, Usage
+from jaxserve.server.openai_protocol import PromptTokensDetails, SamplingFields, Usage
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class ChoiceDelta:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None   # the new tokens' (None: not asked for); text held back
                                           # for a stop string does not hold back its tokens' logprobs
+    token_ids: list[int]                  # the new tokens (held back with their text neither)
 
 
 class TextDeltas:
@@ -158,6 +159,7 @@ class TextDeltas:
         self.n = n
         self._sent: dict[int, int] = {}         # choice -> characters sent
         self._sent_tokens: dict[int, int] = {}  # choice -> logprob entries sent
+        self._sent_ids: dict[int, int] = {}     # choice -> token ids sent
         self._finished: set[int] = set()
 
     def updates(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
@@ -170,7 +172,10 @@ class TextDeltas:
             new = sample.text[self._sent.get(choice, 0):]
             if new or sample.finish_reason:
                 self._sent[choice] = len(sample.text)
-                moved.append(ChoiceDelta(choice, new, sample.finish_reason, self._new_logprobs(choice, sample)))
+                new_ids = sample.token_ids[self._sent_ids.get(choice, 0):]
+                self._sent_ids[choice] = len(sample.token_ids)
+                moved.append(ChoiceDelta(choice, new, sample.finish_reason, self._new_logprobs(choice, sample),
+                                         list(new_ids)))
                 if sample.finish_reason:
                     self._finished.add(choice)
         return moved
@@ -190,7 +195,9 @@ def json_response(model: BaseModel) -> web.Response:
 def usage(outputs: Sequence[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class EventStream:

@@ -1,4 +1,4 @@
-"""bench_serving's `--scenario long-prompt`: how long one long prompt stalls the streams already running.
+"""`jaxserve bench serve`'s `--scenario long-prompt`: how long one long prompt stalls the streams already running.
 
 `--streams` K streams start (each a workload row's last `--short-prompt-len` token ids, many
 output tokens, EOS ignored, greedy). Once every one of them has two tokens (it is decoding) and

@@ -1,4 +1,4 @@
-"""bench_serving's tables (one run, and a comparison of configurations) and its plot."""
+"""`jaxserve bench serve`'s tables (one run, and a comparison of configurations) and its plot."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def print_workload_comparison(summaries: list[dict], labels: list[str]) -> None:
 
 
 def plot(results: list, summary: dict, path: Path) -> bool:
-    """Histograms of TTFT, TPOT, ITL and e2e (ms) of bench_serving `Result`s; False if matplotlib is
+    """Histograms of TTFT, TPOT, ITL and e2e (ms) of `jaxserve bench serve` `Result`s; False if matplotlib is
     missing."""
     try:
         import matplotlib

@@ -1,0 +1,146 @@
+"""Offline throughput: replays a workload through `LLM.generate` (and, with --compare-hf, through
+Hugging Face transformers one request at a time in the same run) and prints a table.
+
+    jaxserve bench offline --workload ../shared/workloads/anchor-64.jsonl [--compare-hf] [--limit N]
+    jaxserve bench offline --workload ... --mesh 1x1 --mesh 1x2     # meshes compared, one run
+    jaxserve bench offline --workload ... --quantization none --quantization int8 --quantization auto
+    jaxserve bench offline --single-stream --quantization none --quantization auto   # one request
+
+Repeated --mesh, --quantization and --kv-cache-dtype values are all combined, each in the same run.
+`--single-stream` replaces the workload by one request of 128 prompt tokens and 256 output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_WORKLOAD = str(Path(__file__).resolve().parents[3] / "shared" / "workloads" / "anchor-64.jsonl")
+
+
+def read_workload(path: str, limit: int | None) -> list[dict]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def single_stream(rows) -> list[dict]:
+    """One request: the workload's prompts' tokens, 128 of them, then 256 output tokens."""
+    tokens = [t for r in rows for t in r["prompt_token_ids"]][:128]
+    return [{"prompt_token_ids": tokens, "max_tokens": 256}]
+
+
+def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str) -> dict:
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import parse_mesh
+
+    # The limits are per data slice: split the step's totals so that every mesh holds the same batch.
+    slices = parse_mesh(mesh)[0]
+    started = time.perf_counter()
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs // slices,
+              max_num_batched_tokens=args.max_num_batched_tokens // slices,
+              max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh,
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    startup = time.perf_counter() - started
+    weight_mib = llm.engine.model.weight_bytes / 2**20
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in rows]
+    prompts = [r["prompt_token_ids"] for r in rows]
+    times = []
+    for _ in range(args.repeat):
+        llm.engine.scheduler.clear_cache()   # every repeat computes its prompts: none is a cache hit
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=args.repeat == 1)
+        times.append(time.perf_counter() - started)
+    elapsed = sorted(times)[len(times) // 2]
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}"
+    return {"system": system, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
+            "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib}
+
+
+def bench_hf(rows, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.checkpoint.default_model import default_model_path
+
+    path = default_model_path()
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    startup = time.perf_counter() - started
+    generated = 0
+    started = time.perf_counter()
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_token_ids"]])
+            out = model.generate(ids, max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"],
+                                 do_sample=False)
+            generated += out.shape[1] - ids.shape[1]
+    elapsed = time.perf_counter() - started
+    return {"system": "transformers", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
+            "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in rows)}
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'system':<36}{'weights MiB':>12}{'requests':>9}{'prompt tok':>11}{'output tok':>11}{'time s':>9}"
+          f"{'out tok/s':>11}{'startup s':>10}")
+    for r in results:
+        r["output_tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
+        mib = f"{r['weight_mib']:.1f}" if "weight_mib" in r else "-"
+        print(f"{r['system']:<36}{mib:>12}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
+              f"{r['elapsed_s']:>9.1f}{r['output_tokens_per_s']:>11.1f}{r['startup_s']:>10.1f}")
+    for r in results[1:]:
+        print(f"{r['system']} / {results[0]['system']}: "
+              f"{r['output_tokens_per_s'] / results[0]['output_tokens_per_s']:.2f}x")
+
+
+def main(argv=None, prog: str = "jaxserve bench offline") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    parser.add_argument("--single-stream", action="store_true", help="one request: 128 prompt, 256 output tokens")
+    parser.add_argument("--quantization", action="append", default=None,
+                        help="repeat to compare (default auto): auto, none, int8, fp8, int4")
+    parser.add_argument("--kv-cache-dtype", action="append", default=None,
+                        help="repeat to compare (default auto): auto, int8, fp8")
+    parser.add_argument("--repeat", type=int, default=1, help="generate N times on each engine, keep the median time")
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--compare-hf", action="store_true", help="also run transformers, one request at a time")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="per step, over all data slices")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="per step, over all data slices")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--mesh", action="append", default=None,
+                        help="DxM; repeat to compare meshes in one run (default 1x1)")
+    args = parser.parse_args(argv)
+    meshes = args.mesh or ["1x1"]
+    from jaxserve.config import parse_mesh
+    from jaxserve.sharding import ensure_devices
+
+    ensure_devices(max(d * m for d, m in map(parse_mesh, meshes)))   # before JAX starts
+    rows = read_workload(args.workload, args.limit)
+    if args.single_stream:
+        rows = single_stream(rows)
+    results = []
+    for mesh, quantization, kv in itertools.product(meshes, args.quantization or ["auto"],
+                                                    args.kv_cache_dtype or ["auto"]):
+        results.append(bench_jaxserve(rows, args, mesh, quantization, kv))
+    if args.compare_hf:
+        results.append(bench_hf(rows, args))
+    for r in results:
+        r["requests"] = len(rows)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
