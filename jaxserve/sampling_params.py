@@ -71,6 +71,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None   # the text must match this constraint
     allowed_token_ids: tuple[int, ...] | None = None   # only these tokens may be sampled (vLLM's)
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens; -1: max_model_len
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob, rank and the top k's
 
     def __post_init__(self):
         # Accept lists from callers, keep tuples so the object stays hashable.
@@ -110,6 +111,8 @@ class SamplingParams:
             _check(-100 <= bias <= 100, "logit_bias", {token: bias}, "biases must be in [-100, 100]")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                f"must be in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+               self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         _check(self.best_of is None or self.best_of >= self.n, "best_of", self.best_of,
                f"must be >= n={self.n}")
 

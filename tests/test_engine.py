@@ -226,8 +226,8 @@ def test_non_finite_logits_fail_only_their_request(engine, monkeypatch):
     step = engine.runner._step
 
     def poisoned(params, kv_pages, batch):   # rows sampled at temperature 0.5 get NaN logits
-        samples, kv_pages = step(params, kv_pages, batch)
-        return samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), kv_pages
+        samples, prompt, kv_pages = step(params, kv_pages, batch)
+        return samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), prompt, kv_pages
 
     monkeypatch.setattr(engine.runner, "_step", poisoned)
     victim = engine.add_request("the victim", SamplingParams(temperature=0.5, seed=1, max_tokens=6, n=2))

@@ -1,4 +1,4 @@
-"""vLLM's extra request fields on the OpenAI endpoints: echo, return_token_ids,
+"""vLLM's extra request fields on the OpenAI endpoints: echo, prompt_logprobs, return_token_ids,
 return_tokens_as_token_ids, continuous_usage_stats, truncate_prompt_tokens, allowed_token_ids,
 cached_tokens, and chat's add_generation_prompt / continue_final_message / echo."""
 
@@ -46,8 +46,31 @@ def test_echo_puts_the_prompt_before_the_completion(server, tiny_engine):
     assert by_ids["choices"][0]["text"] == tiny_engine.tokenizer.decode(encode(tiny_engine, "The sea")) + plain
     streamed = events(server, "/v1/completions", prompt="The sea", echo=True, **GREEDY)
     assert "".join(e["choices"][0]["text"] for e in streamed) == echoed
-    error = post(server, "/v1/completions", 400, prompt="The sea", echo=True, logprobs=1, **GREEDY)["error"]
-    assert error["param"] == "echo" and "prompt's logprobs" in error["message"]
+
+
+def test_echo_with_logprobs_shows_the_prompts_logprobs_first(server, tiny_engine):
+    prompt = encode(tiny_engine, "The sea is wide and deep")
+    reply = post(server, "/v1/completions", prompt=prompt, echo=True, logprobs=2, prompt_logprobs=2,
+                 return_token_ids=True, **GREEDY)
+    [choice] = reply["choices"]
+    logprobs, scored = choice["logprobs"], choice["prompt_logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) + 6 and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None and scored[0] is None and len(scored) == len(prompt)
+    for i, token in enumerate(prompt[1:], start=1):   # the same figures in both shapes
+        assert logprobs["token_logprobs"][i] == scored[i][str(token)]["logprob"]
+        assert len(logprobs["top_logprobs"][i]) <= 3 and scored[i][str(token)]["rank"] >= 1
+    plain = post(server, "/v1/completions", prompt=prompt, logprobs=2, **GREEDY)["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"][len(prompt):] == plain["token_logprobs"]
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    streamed = events(server, "/v1/completions", prompt=prompt, echo=True, logprobs=2, **GREEDY)
+    joined = [t for e in streamed if e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert joined == logprobs["tokens"]
+    chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], prompt_logprobs=0,
+                return_token_ids=True, **GREEDY)
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])   # the token itself, no top
+    error = post(server, "/v1/completions", 400, prompt=prompt, prompt_logprobs=1, stream=True, **GREEDY)["error"]
+    assert error["param"] == "prompt_logprobs"
 
 
 def test_return_token_ids_gives_the_prompts_and_the_choices_ids(server, tiny_engine):

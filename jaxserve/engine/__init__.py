@@ -17,9 +17,12 @@
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
                                4, ... prefill segments: ~12 programs), builds its padded arrays
                                (batch.py) and calls the jitted
-                               step(params, kv_pages, batch) -> (tokens, kv_pages), kv_pages
-                               donated: model forward over the paged KV pool, then sampling
-                               (the masks first, then bias, penalties, temperature, truncation)
+                               step(params, kv_pages, batch) -> (tokens, prompt logprobs,
+                               kv_pages), kv_pages donated: model forward over the paged KV
+                               pool, then sampling (the masks first, then bias, penalties,
+                               temperature, truncation), and for prompt_logprobs requests the
+                               logprob of each prompt token (prompt_logprobs.py; skipped by
+                               steps without them)
         Scheduler.update()     advances each request, registers its full pages in the prefix
                                cache, appends its token, forks the other samples of a prompt,
                                finishes and frees the pages of requests that hit EOS, a stop id
@@ -36,6 +39,6 @@ runner sends every device call to the others, which replay it (`jaxserve.distrib
 
 Host-side modules (request, page_allocator, scheduler, data_slices, scheduler_output,
 structured_output) use no JAX; device work
-is in batch (array layout), step, sampler and the models package. There are no prefill and decode
+is in batch (array layout), step, sampler, prompt_logprobs and the models package. There are no prefill and decode
 phases: every request has `num_computed_tokens`, and a step computes some of what is left.
 """

@@ -5,6 +5,8 @@ Packed token layout, `T = Gd + Gp * segment`:
   [Gd, T)   `Gp` segments of `segment` tokens; each multi-token chunk fills whole segments,
             its last one padded
 Logit rows, `S = Gd + Gp`: one per decode slot, then one per prefill sequence that samples.
+Prompt rows, `T`: the packed index of each prompt token scored for prompt_logprobs and the prompt
+token it predicts, sequence after sequence (`prompt_rows` says whose), then padding (target -1).
 Padding tokens sit at position -1 and write their K/V into the reserved page 0.
 
 Over D data slices, each slice's sequences are laid out as above in the same bucket, with page ids
@@ -32,6 +34,8 @@ class StepInput:
     attention: AttentionMetadata
     logits_index: np.ndarray       # [S] int32: packed index of each scored token
     sampling: SamplingTensors      # [S] rows
+    prompt_index: np.ndarray       # [T] int32: packed index of each prompt token scored (prompt_logprobs)
+    prompt_target: np.ndarray      # [T] int32: the prompt token it predicts; -1: padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,8 @@ class BatchLayout:
         inputs, rows = [], []
         for i, sequences in enumerate(by_slice):
             step, slice_rows = self._build_slice(sequences, bucket, output.token_masks)
-            inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens))
+            inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens,
+                                       prompt_index=step.prompt_index + i * slice_tokens))
             rows += slice_rows
         return jax.tree.map(lambda *parts: np.concatenate(parts), *inputs), rows
 
@@ -95,6 +100,9 @@ class BatchLayout:
         decode = _GroupArrays(gd, 1, self.table_width)
         prefill = _GroupArrays(gp, seg, self.table_width)
         logits_index = np.zeros(gd + gp, np.int32)
+        prompt_index = np.zeros(num_tokens, np.int32)
+        prompt_target = np.full(num_tokens, -1, np.int32)
+        scored = 0   # prompt rows filled
         rows: list[ScheduledSequence | None] = [None] * (gd + gp)
         next_prefill_row = gd
         chunks = []   # (first packed token, tokens, context length, pages) of each sequence
@@ -116,11 +124,27 @@ class BatchLayout:
             if s.samples:
                 logits_index[row] = at[-1]
                 rows[row] = s
+            targets = s.prompt_targets
+            prompt_index[scored:scored + len(targets)] = at[:len(targets)]
+            prompt_target[scored:scored + len(targets)] = targets
+            scored += len(targets)
         ragged = _ragged_rows(chunks, gd + 2 * gp + 1, self.table_width) if self.ragged_rows else None
         attention = AttentionMetadata(positions=positions, slot_mapping=slots,
                                       decode=decode.group(), prefill=prefill.group(), ragged=ragged)
         sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width, token_masks)
-        return StepInput(token_ids, attention, logits_index, sampling), rows
+        return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target), rows
+
+    def prompt_rows(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1) -> list[tuple[str, int, int]]:
+        """(sequence id, position, prompt row) of each prompt token `build` lays out for scoring."""
+        slice_tokens = bucket.num_tokens(self.segment)
+        found = []
+        for i in range(num_slices):
+            row = i * slice_tokens
+            for s in output.sequences:
+                if num_slices == 1 or s.data_slice == i:
+                    found += [(s.request_id, s.start_position + j, row + j) for j in range(len(s.prompt_targets))]
+                    row += len(s.prompt_targets)
+        return found
 
 
 class _GroupArrays:

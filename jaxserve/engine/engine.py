@@ -91,6 +91,7 @@ class _Group:
     error: str | None = None
     first_token_time: float | None = None   # monotonic
     logprobs: list[list[TokenLogprob]] = dataclasses.field(init=False)   # per sample, per token
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)   # [i]: of prompt token i + 1
 
     def __post_init__(self):
         self.logprobs = [[] for _ in self.samples]
@@ -113,8 +114,11 @@ class _Group:
             outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
         scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
         metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:   # vLLM's shape: the first token has none
+            prompt_logprobs = [None, *self.prompt_logprobs]
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error,
-                             metrics, self.samples[0].num_cached_tokens)
+                             metrics, self.samples[0].num_cached_tokens, prompt_logprobs)
 
     def _sample_output(self, i: int) -> CompletionOutput:
         sample, logprobs = self.samples[i], self.logprobs[i]
@@ -312,10 +316,12 @@ class LLMEngine:
         output = self._with_token_masks(output)
         masked = time.perf_counter()
         try:
-            sampled, logprobs, non_finite = self.runner.execute(output)
+            result = self.runner.execute(output)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
             return self._fail_step(output, error)
         executed = time.perf_counter()
+        sampled, logprobs, non_finite = result.tokens, result.logprobs, result.non_finite
+        self._take_prompt_logprobs(result.prompt_logprobs)
         # Before update: their chunk's pages must not reach the prefix cache.
         results = self._fail_requests(non_finite, NON_FINITE) if non_finite else []
         advanced = self.scheduler.update(output, sampled)
@@ -328,6 +334,13 @@ class LLMEngine:
                 scheduled - started, masked - scheduled, prepare, executed - masked - prepare,
                 updated - executed, time.perf_counter() - updated))
         return results
+
+    def _take_prompt_logprobs(self, found: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
+        for sample_id, entries in found.items():
+            group = self._groups.get(sample_id.rpartition("/")[0])
+            for position, entry in entries if group is not None else ():
+                if position == len(group.prompt_logprobs):   # a preempted prompt, computed again, is not
+                    group.prompt_logprobs.append(entry)
 
     def _with_token_masks(self, output: SchedulerOutput) -> SchedulerOutput:
         """The step with the allowed-token mask of each sequence that samples in it under a grammar

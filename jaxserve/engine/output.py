@@ -18,6 +18,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()   # the k most likely (token id, logprob), most likely first
+    rank: int | None = None                   # prompt_logprobs: 1 + the tokens more likely than it
 
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class RequestOutput:
     error: str | None = None          # set with finish_reason "error"
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None   # prompt tokens read from the prefix cache (None: not admitted yet)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token (the first: None), when asked
 
 
 @dataclasses.dataclass(frozen=True)

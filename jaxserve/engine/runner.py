@@ -12,6 +12,7 @@ the same calls in the same order.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
+from jaxserve.engine.prompt_logprobs import PromptLogprobs
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
 from jaxserve.models.layers.attention import MeshAttention, PallasPagedAttention, XlaPagedAttention
 from jaxserve.sampling_params import SamplingParams
@@ -80,6 +82,15 @@ class Followers(Protocol):
     """The other processes of a multi-process engine (`jaxserve.distributed.Leader`)."""
 
     def send(self, call: DeviceCall) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    tokens: dict[str, int]                  # sampled, for each sequence whose chunk reached its end
+    logprobs: dict[str, TokenLogprob]       # of those tokens, where the params ask for them
+    non_finite: set[str]                    # sequences whose logits were NaN or inf: no token for them
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]]   # prompt_logprobs sequences: (position,
+                                                                  # logprob of the prompt token after it)
 
 
 class Runner:
@@ -155,16 +166,15 @@ class Runner:
                     progress(i + 1, len(self.buckets))
             compiles[0].result()
 
-    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob], set[str]]:
-        """Runs one step. Returns the token sampled for each sequence whose chunk reached its end,
-        the logprobs of those whose params ask for them, and the sequences whose logits were not
-        finite (NaN or inf: no token for them)."""
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Runs one step (see StepResult)."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
         batch, rows = self.layout.build(output, bucket, self.num_slices)
         self.last_prepare_s = time.perf_counter() - started
-        samples = jax.device_get(self._run_step(batch, bucket))
+        samples, prompt = self._run_step(batch, bucket)
+        samples = jax.device_get(samples)
         tokens, logprobs, non_finite = {}, {}, set()
         for i, seq in enumerate(rows):
             if seq is None:
@@ -177,7 +187,23 @@ class Runner:
                 k = seq.params.logprobs or 0
                 top = tuple(zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))
                 logprobs[seq.request_id] = TokenLogprob(tokens[seq.request_id], float(samples.logprob[i]), top)
-        return tokens, logprobs, non_finite
+        return StepResult(tokens, logprobs, non_finite, self._prompt_logprobs(output, bucket, batch, prompt))
+
+    def _prompt_logprobs(self, output: SchedulerOutput, bucket: Bucket, batch: StepInput,
+                         prompt: PromptLogprobs) -> dict[str, list[tuple[int, TokenLogprob]]]:
+        """Each prompt_logprobs sequence's (position, logprob of the prompt token after it)."""
+        scored = self.layout.prompt_rows(output, bucket, self.num_slices)
+        if not scored:
+            return {}   # nothing copied back: the step skipped the scoring
+        prompt = jax.device_get(prompt)
+        params = {s.request_id: s.params for s in output.sequences}
+        found: dict[str, list[tuple[int, TokenLogprob]]] = {}
+        for seq_id, position, row in scored:
+            k = params[seq_id].prompt_logprobs
+            top = tuple(zip(prompt.top_ids[row, :k].tolist(), prompt.top_logprobs[row, :k].tolist()))
+            found.setdefault(seq_id, []).append((position, TokenLogprob(
+                int(batch.prompt_target[row]), float(prompt.logprob[row]), top, int(prompt.rank[row]))))
+        return found
 
     def replay(self, call: DeviceCall) -> None:
         """A follower process makes the device call that process 0's runner sent."""
@@ -214,8 +240,8 @@ class Runner:
         if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
                                       tuple(map(Array.of, jax.tree.leaves(batch)))))
-        samples, self.kv_pages = self._step(self.model.params, self.kv_pages, self._place(batch))
-        return samples
+        samples, prompt, self.kv_pages = self._step(self.model.params, self.kv_pages, self._place(batch))
+        return samples, prompt
 
     def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
         if self.followers is not None:

@@ -169,7 +169,10 @@ class Scheduler:
         does not fit (and then it holds nothing)."""
         page_size = self.allocator.page_size
         cacheable = (request.num_tokens - 1) // page_size
-        hashes = request.page_hashes(page_size)[:cacheable] if self.allocator.enable_caching else []
+        # prompt_logprobs need every prompt position's logits, so such a request computes its whole
+        # prompt (as vLLM does); its pages still serve others.
+        reads_cache = self.allocator.enable_caching and request.params.prompt_logprobs is None
+        hashes = request.page_hashes(page_size)[:cacheable] if reads_cache else []
         hits = self.allocator.match_prefix(request.request_id, hashes)
         request.num_computed_tokens = hits * page_size
         num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
@@ -232,6 +235,8 @@ class Scheduler:
             suppressed_token_ids=(*(() if p.ignore_eos else request.eos_token_ids), *p.stop_token_ids)
             if suppress else (),
             data_slice=self.data_slice,
+            prompt_targets=tuple(request.prompt_token_ids[start + 1:start + num_tokens + 1])
+            if p.prompt_logprobs is not None else (),
         )
 
     # ---- after the step -------------------------------------------------------------------------

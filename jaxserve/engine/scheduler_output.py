@@ -24,6 +24,8 @@ class ScheduledSequence:
     output_token_ids: Sequence[int] = ()       # likewise
     suppressed_token_ids: tuple[int, ...] = () # EOS and stop ids, masked while below min_tokens
     data_slice: int = 0           # which data-parallel slice (and its part of the KV pool) runs it
+    prompt_targets: tuple[int, ...] = ()   # prompt_logprobs: the prompt token each of the first tokens
+                                           # predicts (token j's is the prompt's token at position + 1)
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.batch import StepInput
+from jaxserve.engine.prompt_logprobs import PromptLogprobs, score_prompt
 from jaxserve.engine.sampler import Samples, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
 
@@ -21,16 +22,19 @@ def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.Sta
     return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention)
 
 
-def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[Samples, KVPages]:
-    """(next tokens [S] and their logprobs, kv_pages)."""
-    logits, kv_pages = forward(graphdef, attention, params, kv_pages, batch)
-    return sample(logits, batch.sampling), kv_pages
+def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[Samples, PromptLogprobs, KVPages]:
+    """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages)."""
+    model = nnx.merge(graphdef, params)
+    x, kv_pages = model.hidden_states(batch.token_ids, kv_pages, batch.attention, attention)
+    samples = sample(model.logits(x, batch.logits_index), batch.sampling)
+    prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
+    return samples, prompt, kv_pages
 
 
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
     """`step(params, kv_pages, batch)` jitted with the pool donated: written in place, never copied.
     On a mesh the samples are replicated, so that every process holds all of them."""
-    out_shardings = None if mesh is None else (NamedSharding(mesh, P()), None)
+    out_shardings = None if mesh is None else (NamedSharding(mesh, P()), NamedSharding(mesh, P()), None)
     return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,), out_shardings=out_shardings)
 
 

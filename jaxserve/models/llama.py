@@ -120,6 +120,11 @@ class Llama(nnx.Module):
     def __call__(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, logits_index,
                  attention: AttentionBackend):
         """token_ids [T] int32, logits_index [S] int32 (rows to score) -> (logits [S, vocab] f32, kv_pages)."""
+        x, kv_pages = self.hidden_states(token_ids, kv_pages, meta, attention)
+        return self.logits(x, logits_index), kv_pages
+
+    def hidden_states(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, attention: AttentionBackend):
+        """token_ids [T] int32 -> (the last layer's output [T, hidden], kv_pages with the K/V written)."""
         x = embed_lookup(self.embed, token_ids, self.dtype)
         layer_graph, layer_weights = nnx.split(self.layers)
 
@@ -131,8 +136,12 @@ class Llama(nnx.Module):
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids))
-        x = rms_norm(x[logits_index], self.final_norm[...], self.cfg.rms_norm_eps)
-        return lm_head(x, self.embed, self.lm_head).astype(jnp.float32), kv_pages
+        return x, kv_pages
+
+    def logits(self, x, index) -> jax.Array:
+        """x [T, hidden] (hidden_states), index [S] int32 -> logits [S, vocab] float32 of those rows."""
+        x = rms_norm(x[index], self.final_norm[...], self.cfg.rms_norm_eps)
+        return lm_head(x, self.embed, self.lm_head).astype(jnp.float32)
 
 
 def abstract_model(cfg: ModelConfig, dtype, formats: dict[str, WeightFormat] | None = None

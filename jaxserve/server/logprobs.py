@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.server.openai_protocol import (
-    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, GenerateTokenLogprob, TokenIdLogprob, TopLogprob)
+    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, GenerateTokenLogprob, PromptLogprob, PromptLogprobs,
+    TokenIdLogprob, TopLogprob)
 
 # JSON has no -Infinity: a token the model rules out entirely gets this floor instead (as in vLLM).
 LOWEST_LOGPROB = -9999.0
@@ -51,6 +52,46 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts,
         offset += len(token)
     return CompletionLogprobs(tokens=tokens, token_logprobs=[wire_logprob(e.logprob) for e in entries],
                               top_logprobs=[_top_map(e, texts) for e in entries], text_offset=offsets)
+
+
+def echo_logprobs(prompt_token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], texts: TokenTexts,
+                  k: int) -> CompletionLogprobs:
+    """The prompt's part of completions' logprobs under echo, from the engine's prompt_logprobs:
+    every prompt token, the first with null logprobs (nothing comes before it), the others with
+    the top k at their position."""
+    tokens = [texts(t) for t in prompt_token_ids]
+    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[None if e is None else wire_logprob(e.logprob) for e in entries],
+        top_logprobs=[None if e is None else _top_map(TokenLogprob(e.token_id, e.logprob, e.top[:k]), texts)
+                      for e in entries],
+        text_offset=offsets)
+
+
+def joined(prompt: CompletionLogprobs, completion: CompletionLogprobs | None) -> CompletionLogprobs:
+    """echo's logprobs: the prompt's, then the completion's (its offsets already past the prompt's)."""
+    if completion is None:
+        return prompt
+    return CompletionLogprobs(tokens=prompt.tokens + completion.tokens,
+                              token_logprobs=prompt.token_logprobs + completion.token_logprobs,
+                              top_logprobs=prompt.top_logprobs + completion.top_logprobs,
+                              text_offset=prompt.text_offset + completion.text_offset)
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprob | None], texts: TokenTexts, k: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, by token id, the token and the k most likely there."""
+    wire = []
+    for entry in entries:
+        if entry is None:
+            wire.append(None)
+            continue
+        found = {str(entry.token_id): PromptLogprob(logprob=wire_logprob(entry.logprob), rank=entry.rank,
+                                                    decoded_token=texts(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top[:k], start=1):
+            found.setdefault(str(token_id), PromptLogprob(logprob=wire_logprob(logprob), rank=rank,
+                                                          decoded_token=texts(token_id)))
+        wire.append(found)
+    return wire
 
 
 def _top_map(entry: TokenLogprob, texts: TokenTexts) -> dict[str, float]:

@@ -14,12 +14,13 @@ from jaxserve.engine.async_engine import RequestStream
 from jaxserve.engine.output import RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.server.errors import APIError
-from jaxserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from jaxserve.server.logprobs import (
+    TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined, prompt_logprobs)
 from jaxserve.server.openai_protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice,
-    CompletionChoice, CompletionRequest, CompletionResponse, Delta)
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Delta)
 from jaxserve.server.serving import (
-    CONTEXT, ChoiceDelta, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body,
+    CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body,
     usage)
 from jaxserve.server.tool_calls import ToolReply, conversation
 from jaxserve.tokenizer import chat_prompt_ids
@@ -40,13 +41,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
     choices = []
     for p, output in enumerate(outputs):
         echo = _prompt_text(output, tokenizer) if body.echo else ""
+        extra = {}
+        if body.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs(output.prompt_logprobs, texts, body.prompt_logprobs)
         for sample in output.outputs:
-            logprobs = None if sample.logprobs is None else completion_logprobs(sample.logprobs, texts)
             choices.append(CompletionChoice(
-                index=p * params.n + sample.index, text=echo + sample.text, logprobs=logprobs,
+                index=p * params.n + sample.index, text=echo + sample.text,
+                logprobs=_echoed_logprobs(body, output, sample.logprobs, texts, {}, 0),
                 finish_reason=openai_finish_reason(sample.finish_reason),
-                **_token_ids(body, output.prompt_token_ids, sample.token_ids)))
+                **_token_ids(body, output.prompt_token_ids, sample.token_ids), **extra))
     return json_response(CompletionResponse(**head, choices=choices, usage=usage(outputs)))
+
+
+def _echoed_logprobs(body: CompletionRequest, output: RequestOutput, entries, texts: TokenTexts,
+                     offsets: dict[int, int], choice: int, first: bool = True) -> CompletionLogprobs | None:
+    """A choice's (or a streamed piece's) logprobs; under echo, its first carries the prompt's before
+    the completion's. `offsets`: choice -> length of the token texts sent (the next text_offset)."""
+    if body.logprobs is None:
+        return None
+    prompt = None
+    if first and body.echo:
+        prompt = echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, texts, body.logprobs)
+        offsets[choice] = sum(map(len, prompt.tokens))
+    completion = None
+    if entries:
+        completion = completion_logprobs(entries, texts, offsets.get(choice, 0))
+        offsets[choice] = completion.text_offset[-1] + len(completion.tokens[-1])
+    return completion if prompt is None else joined(prompt, completion)
 
 
 def _prompt_text(output: RequestOutput, tokenizer) -> str:
@@ -73,11 +94,12 @@ async def _stream_completions(request: web.Request, body: CompletionRequest, str
             for delta in deltas.updates(p, output):
                 first = delta.choice not in started
                 started.add(delta.choice)
-                choice = _completion_delta(delta, texts, offsets)
-                extra = _token_ids(body, output.prompt_token_ids if first else None, delta.token_ids)
-                if first and body.echo:
-                    extra["text"] = _prompt_text(output, tokenizer) + choice.text
-                choice = choice.model_copy(update=extra)
+                choice = CompletionChoice(
+                    index=delta.choice, text=(_prompt_text(output, tokenizer) if first and body.echo else "")
+                    + delta.text, logprobs=_echoed_logprobs(body, output, delta.logprobs, texts, offsets,
+                                                            delta.choice, first),
+                    finish_reason=openai_finish_reason(delta.finish_reason),
+                    **_token_ids(body, output.prompt_token_ids if first else None, delta.token_ids))
                 await events.send(CompletionResponse(**head, choices=[choice], usage=usage(latest.values())
                                                      if body.continuous_usage else None))
             if output.finished:
@@ -85,15 +107,6 @@ async def _stream_completions(request: web.Request, body: CompletionRequest, str
         if body.include_usage:
             await events.send(CompletionResponse(**head, choices=[], usage=usage(finals)))
     return events.response
-
-
-def _completion_delta(delta: ChoiceDelta, texts: TokenTexts, offsets: dict[int, int]) -> CompletionChoice:
-    logprobs = None
-    if delta.logprobs:
-        logprobs = completion_logprobs(delta.logprobs, texts, offsets.get(delta.choice, 0))
-        offsets[delta.choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-    return CompletionChoice(index=delta.choice, text=delta.text, logprobs=logprobs,
-                            finish_reason=openai_finish_reason(delta.finish_reason))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -124,8 +137,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, texts),
                           **_token_ids(body, None, c.token_ids))
                for c in output.outputs]
-    return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output]),
-                                                **({"prompt_token_ids": prompt} if body.return_token_ids else {})))
+    extra = {"prompt_token_ids": prompt} if body.return_token_ids else {}
+    if body.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = prompt_logprobs(output.prompt_logprobs, texts, body.prompt_logprobs)
+    return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output]), **extra))
 
 
 async def _stream_chat(request: web.Request, body: ChatCompletionRequest, streams: Sequence[RequestStream],

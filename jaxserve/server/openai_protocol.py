@@ -99,7 +99,7 @@ class SamplingFields(_Request):
             logit_bias=token_bias(self.logit_bias or {}, vocab_size),
             logprobs=self.num_logprobs(), best_of=self.samples_to_rank(), structured_outputs=self.constraint(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.num_prompt_logprobs())
 
     def constraints(self) -> dict[str, StructuredOutputsParams]:
         """The structured-output constraints the body gives, by the field that gives each."""
@@ -128,6 +128,10 @@ class SamplingFields(_Request):
 
     def samples_to_rank(self) -> int | None:
         """best_of: samples generated to return the n most likely (None: just n)."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token the engine computes (None: no prompt logprobs)."""
         return None
 
 
@@ -180,6 +184,8 @@ class _OpenAIRequest(SamplingFields):
                                                              "too (prompt_token_ids, token_ids).")
     return_tokens_as_token_ids: bool | None = Field(False, description="vLLM's: logprobs name tokens as "
                                                                        "'token_id:N' instead of their text.")
+    prompt_logprobs: NumLogprobs | None = Field(None, description="vLLM's: each prompt token's logprob and rank, "
+                                                                  "and the k most likely tokens there.")
 
     UNSUPPORTED: ClassVar[dict] = {"store": False}
 
@@ -202,6 +208,8 @@ class _OpenAIRequest(SamplingFields):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options applies to streamed replies only: "
                                                         "send it with stream=true, or leave it out")
+        if self.stream and self.prompt_logprobs is not None:   # as vLLM
+            raise InvalidRequestError("prompt_logprobs", "prompt_logprobs are not streamed: send stream=false")
 
     @property
     def include_usage(self) -> bool:
@@ -213,6 +221,9 @@ class _OpenAIRequest(SamplingFields):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -231,9 +242,6 @@ class CompletionRequest(_OpenAIRequest):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo", "echo with logprobs would need the prompt's logprobs, which this "
-                                              "server does not compute yet: send echo or logprobs, not both")
         n = self.n or 1
         if self.stream and self.best_of is not None and self.best_of > n:
             raise InvalidRequestError("best_of", f"best_of={self.best_of} cannot be streamed: only the finished "
@@ -244,6 +252,11 @@ class CompletionRequest(_OpenAIRequest):
 
     def samples_to_rank(self) -> int | None:
         return self.best_of
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs shows the prompt's tokens' logprobs too."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (text or token ids)."""
@@ -420,17 +433,29 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy shape: parallel lists, one entry per token."""
+    """OpenAI's legacy shape: parallel lists, one entry per token (with echo, the prompt's first,
+    its first token's null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] = Field(description="The most likely tokens' texts and logprobs, and "
-                                                             "the sampled token's.")
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] = Field(description="The most likely tokens' texts and logprobs, "
+                                                                    "and the sampled token's.")
     text_offset: list[int] = Field(description="Where each token's text starts in the completion text.")
 
 
-# return_token_ids's fields: left out of the JSON unless asked for
+# return_token_ids's and prompt_logprobs' fields: left out of the JSON unless asked for
 _token_ids = dict(default=None, exclude_if=lambda v: v is None)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="1 + the tokens more likely than this one at its position.")
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (the first: null), the token itself and the k most
+# likely there, by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -440,6 +465,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
     prompt_token_ids: list[int] | None = Field(**_token_ids)
     token_ids: list[int] | None = Field(**_token_ids)
+    prompt_logprobs: PromptLogprobs | None = Field(**_token_ids)
 
 
 class CompletionResponse(BaseModel):
@@ -490,6 +516,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(**_token_ids)
+    prompt_logprobs: PromptLogprobs | None = Field(**_token_ids)
 
 
 class FunctionCallDelta(BaseModel):
