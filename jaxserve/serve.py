@@ -125,7 +125,8 @@ def _add_fields(parser: argparse.ArgumentParser, config_class) -> None:
                                nargs=NARGS.get(field.name), **options)
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> tuple[EngineConfig, ServerConfig]:
+def parse_args(argv: list[str] | None = None,
+               prog: str = "python -m jaxserve.serve") -> tuple[EngineConfig, ServerConfig]:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", type=pathlib.Path, default=None,

@@ -99,7 +99,8 @@ def print_table(results: list[dict]) -> None:
 
 
 def main(argv=None, prog: str = "jaxserve bench offline") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD)
     parser.add_argument("--single-stream", action="store_true", help="one request: 128 prompt, 256 output tokens")
     parser.add_argument("--quantization", action="append", default=None,

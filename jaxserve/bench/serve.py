@@ -294,7 +294,8 @@ def _launch_flags(argv: list[str]) -> list[str]:
 
 
 def parse_args(argv=None, prog: str = "jaxserve bench serve") -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (unless --launch)")
     parser.add_argument("--launch", action="append", metavar="FLAGS", default=None,
                         help="start `python -m jaxserve.serve --port 0 FLAGS` and benchmark it instead of "

@@ -336,10 +336,14 @@ class LLMEngine:
         return results
 
     def _take_prompt_logprobs(self, found: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
+        """Appends each prompt position's logprob to its request; a preempted request computes its
+        prompt again from position 0, and the positions it already has are skipped."""
         for sample_id, entries in found.items():
             group = self._groups.get(sample_id.rpartition("/")[0])
-            for position, entry in entries if group is not None else ():
-                if position == len(group.prompt_logprobs):   # a preempted prompt, computed again, is not
+            if group is None:
+                continue
+            for position, entry in entries:
+                if position == len(group.prompt_logprobs):
                     group.prompt_logprobs.append(entry)
 
     def _with_token_masks(self, output: SchedulerOutput) -> SchedulerOutput:

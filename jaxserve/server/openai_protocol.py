@@ -444,7 +444,7 @@ class CompletionLogprobs(BaseModel):
 
 
 # return_token_ids's and prompt_logprobs' fields: left out of the JSON unless asked for
-_token_ids = dict(default=None, exclude_if=lambda v: v is None)
+_WHEN_ASKED = dict(default=None, exclude_if=lambda v: v is None)
 
 
 class PromptLogprob(BaseModel):
@@ -463,9 +463,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
-    prompt_token_ids: list[int] | None = Field(**_token_ids)
-    token_ids: list[int] | None = Field(**_token_ids)
-    prompt_logprobs: PromptLogprobs | None = Field(**_token_ids)
+    prompt_token_ids: list[int] | None = Field(**_WHEN_ASKED)
+    token_ids: list[int] | None = Field(**_WHEN_ASKED)
+    prompt_logprobs: PromptLogprobs | None = Field(**_WHEN_ASKED)
 
 
 class CompletionResponse(BaseModel):
@@ -505,7 +505,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
-    token_ids: list[int] | None = Field(**_token_ids)
+    token_ids: list[int] | None = Field(**_WHEN_ASKED)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -515,8 +515,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_token_ids: list[int] | None = Field(**_token_ids)
-    prompt_logprobs: PromptLogprobs | None = Field(**_token_ids)
+    prompt_token_ids: list[int] | None = Field(**_WHEN_ASKED)
+    prompt_logprobs: PromptLogprobs | None = Field(**_WHEN_ASKED)
 
 
 class FunctionCallDelta(BaseModel):
@@ -545,7 +545,7 @@ class ChatStreamChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
-    token_ids: list[int] | None = Field(**_token_ids)
+    token_ids: list[int] | None = Field(**_WHEN_ASKED)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -555,7 +555,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = Field(**_token_ids)
+    prompt_token_ids: list[int] | None = Field(**_WHEN_ASKED)
 
 
 class TokenIdLogprob(BaseModel):
