@@ -68,6 +68,10 @@ CASES = [
      "must be >= 1, or -1 (max_model_len)"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix='y' is not supported yet"),
+    # a constraint whose only token ("7", id 39) is a stop id held back by min_tokens: a dead end
+    ("/v1/completions", {"prompt": "Pick:", "temperature": 0, "max_tokens": 8, "min_tokens": 2, "stop_token_ids": [39],
+                         "structured_outputs": {"choice": ["7"]}}, 400, "structured_outputs",
+     "the constraint allows no continuation"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs",
      "logprobs=21 is out of range: must be in [0, 20]"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "logprobs=-1 is out of range"),

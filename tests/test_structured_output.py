@@ -84,6 +84,7 @@ def test_a_dead_end_fails_its_request_and_the_engine_goes_on(tiny_engine):
                            structured_outputs=Constraint(choice=("7",)))
     outputs = run(tiny_engine, {"stuck": ("Pick:", stuck), "fine": ("Hello", SamplingParams(max_tokens=6))})
     assert "constraint allows no continuation" in outputs["stuck"].error
+    assert outputs["stuck"].error_param == "structured_outputs"   # the client's to change: a 400 over HTTP
     assert outputs["fine"].error is None and len(outputs["fine"].outputs[0].token_ids) == 6
     assert pool_is_full(tiny_engine)
 

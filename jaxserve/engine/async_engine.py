@@ -48,7 +48,12 @@ class QueueFullError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request (an exception in its step)."""
+    """The engine failed this request: an exception in its step, or, with `param`, something the
+    request asked for that cannot be done (a structured-output constraint with no way on)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +128,7 @@ class RequestStream:
         output = await self._queue.get()
         self._done = output.finished
         if output.error:
-            raise RequestFailedError(output.error)
+            raise RequestFailedError(output.error, output.error_param)
         return output
 
     def close(self) -> None:

@@ -89,6 +89,7 @@ class _Group:
     samples: list[Request]
     texts: list[SampleText]
     error: str | None = None
+    error_param: str | None = None   # set when the request itself caused `error` (see RequestOutput)
     first_token_time: float | None = None   # monotonic
     logprobs: list[list[TokenLogprob]] = dataclasses.field(init=False)   # per sample, per token
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)   # [i]: of prompt token i + 1
@@ -118,7 +119,7 @@ class _Group:
         if params.prompt_logprobs is not None:   # vLLM's shape: the first token has none
             prompt_logprobs = [None, *self.prompt_logprobs]
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error,
-                             metrics, self.samples[0].num_cached_tokens, prompt_logprobs)
+                             metrics, self.samples[0].num_cached_tokens, prompt_logprobs, self.error_param)
 
     def _sample_output(self, i: int) -> CompletionOutput:
         sample, logprobs = self.samples[i], self.logprobs[i]
@@ -386,7 +387,9 @@ class LLMEngine:
                 if sample.request_id in logprobs:
                     sample_logprobs.append(logprobs[sample.request_id])
                 try:
-                    group.error = group.error or self._constrain(sample, token)
+                    dead_end = self._constrain(sample, token)
+                    if dead_end and not group.error:   # the request's own constraint led there
+                        group.error, group.error_param = dead_end, "structured_outputs"
                     if text.add(token) and not sample.is_finished:
                         self.scheduler.abort(sample.request_id, FinishReason.STOP)
                     if sample.is_finished:

@@ -48,6 +48,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None   # prompt tokens read from the prefix cache (None: not admitted yet)
     prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token (the first: None), when asked
+    error_param: str | None = None    # the request field an error comes from (the client's to change)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from jaxserve.server.metrics import Metrics
 from jaxserve.server.openai_api import chat_completions, completions
 from jaxserve.server.openai_protocol import Health, ModelCard, ModelList, Version
 from jaxserve.server.openapi import ENDPOINTS, openapi_document
-from jaxserve.server.serving import CONTEXT, ServerContext, json_response
+from jaxserve.server.serving import CONTEXT, ServerContext, failed_request, json_response
 from jaxserve.server.tokenize_api import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         retry = str(request.app[CONTEXT].config.retry_after_s)
         return APIError(503, str(error), None, "unavailable", {"Retry-After": retry}).response()
     except RequestFailedError as error:
-        return APIError(500, str(error), None, "engine_error").response()
+        return failed_request(error).response()
     except web.HTTPException as error:
         if error.status < 400:
             raise

@@ -109,6 +109,13 @@ async def admit(engine: AsyncEngine, prompts: Sequence[str | list[int]], params:
     return await engine.add_requests(prompts, params, [request_id + s for s in suffixes], priority)
 
 
+def failed_request(error: RequestFailedError) -> APIError:
+    """400 when the request caused it (naming the field), else 500."""
+    if error.param is not None:
+        return APIError(400, str(error), error.param, "invalid_request_error")
+    return APIError(500, str(error), None, "engine_error")
+
+
 def close_all(streams: Sequence[RequestStream]) -> None:
     for stream in streams:
         stream.close()
@@ -232,6 +239,6 @@ def _stream_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, RequestFailedError):
-        return APIError(500, str(error), None, "engine_error")
+        return failed_request(error)
     log.error("streaming handler failed", exc_info=error)
     return APIError(500, f"internal error: {type(error).__name__}", None, "internal_error")
