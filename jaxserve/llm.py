@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.beam_search import Beam, BeamSearch, BeamSearchParams, candidates, check_length, round_params
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output import RequestOutput
 from jaxserve.progress import progress_bar
@@ -52,6 +53,25 @@ class LLM:
         if bar:
             bar.close()
         return [done[i] for i in ids]
+
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                    params: BeamSearchParams) -> list[list[Beam]]:
+        """vLLM's `LLM.beam_search`: each prompt's best `params.beam_width` beams, best first; the
+        searches of all prompts advance together, one engine round per token."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+                      for p in prompts]
+        for ids in prompt_ids:
+            check_length(len(ids), params, self.engine.max_model_len)
+        searches = [BeamSearch(params, self.engine.eos_token_ids) for _ in prompt_ids]
+        while not all(s.done for s in searches):
+            active = [(ids, s) for ids, s in zip(prompt_ids, searches) if not s.done]
+            rounds = [[ids + list(beam.tokens) for beam in s.live] for ids, s in active]
+            outputs = iter(self.generate([r for beams in rounds for r in beams], round_params(params)))
+            for (_, search), beams in zip(active, rounds):
+                search.advance([candidates(next(outputs)) for _ in beams])
+        return [s.best() for s in searches]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              **kwargs) -> list[RequestOutput]:

@@ -189,3 +189,32 @@ def test_chat_refuses_what_cannot_be_continued(server, body, param):
 def test_chat_messages_ignore_unknown_keys(server):
     messages = [{"role": "user", "content": "Hi", "name": "ann", "x-client-id": 7}]
     assert post(server, "/v1/chat/completions", messages=messages, **GREEDY)["usage"]["completion_tokens"] == 6
+
+
+def test_beam_search_returns_transformers_beams(server, tiny_engine, tiny_models):
+    from test_beam_search import hf_beams
+
+    _, hf_model = tiny_models("llama")
+    prompt = encode(tiny_engine, "The sea is wide and deep")
+    reply = post(server, "/v1/completions", model=MODEL, prompt=prompt, n=4, use_beam_search=True, max_tokens=8,
+                 ignore_eos=True, return_token_ids=True)
+    beams, _ = hf_beams(hf_model, prompt, None)
+    assert [c["token_ids"] for c in reply["choices"]] == beams
+    assert [c["text"] for c in reply["choices"]] == [tiny_engine.tokenizer.decode(b, skip_special_tokens=True)
+                                                     for b in beams]
+    assert {c["finish_reason"] for c in reply["choices"]} == {"length"} and reply["usage"]["completion_tokens"] == 32
+    chat = post(server, "/v1/chat/completions", model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                use_beam_search=True, max_tokens=5, ignore_eos=True, length_penalty=0.5, early_stopping="never")
+    assert len(chat["choices"]) == 2 and chat["usage"]["completion_tokens"] == 10
+    assert tiny_engine.stats().kv_cache_usage == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(stream=True), "stream"), (dict(logprobs=2), "logprobs"), (dict(n=11), "n"),
+    (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(structured_outputs={"regex": "a+"}), "structured_outputs"),
+    (dict(early_stopping="sometimes"), "early_stopping"),
+])
+def test_beam_search_refuses_what_it_cannot_do(server, body, param):
+    error = post(server, "/v1/completions", 400, model=MODEL, prompt="The sea", use_beam_search=True, max_tokens=4,
+                 **body)["error"]
+    assert error["param"] == param, error

@@ -3,6 +3,7 @@ tools: `tool_calls`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,10 +18,10 @@ from jaxserve.server.errors import APIError
 from jaxserve.server.logprobs import (
     TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined, prompt_logprobs)
 from jaxserve.server.openai_protocol import (
-    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice,
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Delta)
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Delta, Usage)
 from jaxserve.server.serving import (
-    CONTEXT, EventStream, TextDeltas, admit, final_outputs, json_response, merged, parse_body,
+    CONTEXT, EventStream, TextDeltas, admit, beam_search, final_outputs, json_response, merged, parse_body,
     usage)
 from jaxserve.server.tool_calls import ToolReply, conversation
 from jaxserve.tokenizer import chat_prompt_ids
@@ -34,6 +35,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tokenizer = context.engine.loaded().tokenizer
     texts = TokenTexts(tokenizer, body.return_tokens_as_token_ids)
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+    if body.use_beam_search:
+        return await _beam_completions(context, body, tokenizer, head)
     streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority)
     if body.stream:
         return await _stream_completions(request, body, streams, head, params.n, texts, tokenizer)
@@ -68,6 +71,26 @@ def _echoed_logprobs(body: CompletionRequest, output: RequestOutput, entries, te
         completion = completion_logprobs(entries, texts, offsets.get(choice, 0))
         offsets[choice] = completion.text_offset[-1] + len(completion.tokens[-1])
     return completion if prompt is None else joined(prompt, completion)
+
+
+async def _beam_completions(context, body: CompletionRequest, tokenizer, head: dict) -> web.Response:
+    """use_beam_search: each prompt's n best beams, best first, as its n choices."""
+    prompts = [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+               for p in body.prompts()]
+    params = body.beam_search_params(body.max_new_tokens())
+    searches = await asyncio.gather(*(beam_search(context.engine, prompt, params, f"{head['id']}-{p}", body.priority)
+                                      for p, prompt in enumerate(prompts)))
+    choices, generated = [], 0
+    for p, (prompt, beams) in enumerate(zip(prompts, searches)):
+        echo = tokenizer.decode(prompt) if body.echo else ""
+        for i, beam in enumerate(beams):
+            generated += len(beam.tokens)
+            choices.append(CompletionChoice(
+                index=p * params.beam_width + i, text=echo + tokenizer.decode(beam.tokens, skip_special_tokens=True),
+                finish_reason="stop" if beam.finished else "length", **_token_ids(body, prompt, beam.tokens)))
+    used = sum(map(len, prompts))
+    return json_response(CompletionResponse(**head, choices=choices, usage=Usage(
+        prompt_tokens=used, completion_tokens=generated, total_tokens=used + generated)))
 
 
 def _prompt_text(output: RequestOutput, tokenizer) -> str:
@@ -124,6 +147,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = chat_prompt(tokenizer, messages, tools, body.add_generation_prompt is not False,
                          bool(body.continue_final_message))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+    if body.use_beam_search:
+        return await _beam_chat(context, body, prompt, tokenizer, head)
     streams = await admit(context.engine, [prompt], params, head["id"], body.priority)
     texts = TokenTexts(tokenizer, body.return_tokens_as_token_ids)
     # echo: a reply that continues the assistant's last message starts with it (vLLM's)
@@ -141,6 +166,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.prompt_logprobs is not None:
         extra["prompt_logprobs"] = prompt_logprobs(output.prompt_logprobs, texts, body.prompt_logprobs)
     return json_response(ChatCompletionResponse(**head, choices=choices, usage=usage([output]), **extra))
+
+
+async def _beam_chat(context, body: ChatCompletionRequest, prompt: list[int], tokenizer, head: dict) -> web.Response:
+    """use_beam_search: the conversation's n best replies, best first."""
+    if body.tool_mode() != "none":
+        raise InvalidRequestError("tools", "tools do not combine with use_beam_search")
+    room = context.engine.loaded().max_model_len - len(prompt)
+    params = body.beam_search_params(body.max_new_tokens() or room)
+    beams = await beam_search(context.engine, prompt, params, head["id"], body.priority)
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=tokenizer.decode(beam.tokens,
+                                                                                     skip_special_tokens=True)),
+                          finish_reason="stop" if beam.finished else "length", **_token_ids(body, None, beam.tokens))
+               for i, beam in enumerate(beams)]
+    generated = sum(len(beam.tokens) for beam in beams)
+    extra = {"prompt_token_ids": prompt} if body.return_token_ids else {}
+    return json_response(ChatCompletionResponse(**head, choices=choices, usage=Usage(
+        prompt_tokens=len(prompt), completion_tokens=generated, total_tokens=len(prompt) + generated), **extra))
 
 
 async def _stream_chat(request: web.Request, body: ChatCompletionRequest, streams: Sequence[RequestStream],

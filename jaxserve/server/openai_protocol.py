@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.request import FinishReason   # "error" never reaches a body: a failed request is an error reply
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams, StructuredOutputsParams
@@ -186,6 +187,13 @@ class _OpenAIRequest(SamplingFields):
                                                                        "'token_id:N' instead of their text.")
     prompt_logprobs: NumLogprobs | None = Field(None, description="vLLM's: each prompt token's logprob and rank, "
                                                                   "and the k most likely tokens there.")
+    use_beam_search: bool | None = Field(False, description="vLLM's: the n best beams of a beam search (n <= 10) "
+                                                            "instead of n samples.")
+    length_penalty: float | None = Field(1.0, description="Beam search: a beam scores its cumulative logprob / "
+                                                          "its length ** length_penalty.")
+    early_stopping: bool | Literal["never"] | None = Field(
+        False, description="Beam search: true stops once n beams have ended; false once no running beam can "
+                           "score better; never only at max_tokens (transformers' meanings).")
 
     UNSUPPORTED: ClassVar[dict] = {"store": False}
 
@@ -210,6 +218,23 @@ class _OpenAIRequest(SamplingFields):
                                                         "send it with stream=true, or leave it out")
         if self.stream and self.prompt_logprobs is not None:   # as vLLM
             raise InvalidRequestError("prompt_logprobs", "prompt_logprobs are not streamed: send stream=false")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """What beam search cannot combine with: it returns whole beams, ranked by the model's own logprobs."""
+        for name, given in (("stream", self.stream), ("logprobs", self.num_logprobs() is not None),
+                            ("best_of", self.samples_to_rank() is not None),
+                            ("prompt_logprobs", self.prompt_logprobs is not None),
+                            (self.constraint_field(), self.constraint_field() is not None)):
+            if given:
+                raise InvalidRequestError(name, f"{name} does not combine with use_beam_search")
+        if not 1 <= (self.n or 1) <= 10:
+            raise InvalidRequestError("n", f"n={self.n} beams is out of range for use_beam_search: must be in [1, 10]")
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        return BeamSearchParams(self.n or 1, max_tokens, _default(self.length_penalty, 1.0),
+                                _default(self.early_stopping, False), self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:

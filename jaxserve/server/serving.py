@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from jaxserve.engine.beam_search import Beam, BeamSearch, BeamSearchParams, candidates, check_length, round_params
 from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
@@ -114,6 +116,20 @@ def failed_request(error: RequestFailedError) -> APIError:
     if error.param is not None:
         return APIError(400, str(error), error.param, "invalid_request_error")
     return APIError(500, str(error), None, "engine_error")
+
+
+async def beam_search(engine: AsyncEngine, prompt: list[int], params: BeamSearchParams, request_id: str,
+                      priority: int = 0) -> list[Beam]:
+    """One prompt's beam search: a round of one-token requests per token, one per live beam."""
+    loaded = engine.loaded()
+    check_length(len(prompt), params, loaded.max_model_len)
+    search = BeamSearch(params, loaded.eos_token_ids)
+    for step in itertools.count():
+        if search.done:
+            return search.best()
+        streams = await admit(engine, [prompt + list(beam.tokens) for beam in search.live], round_params(params),
+                              f"{request_id}-beam{step}", priority)
+        search.advance([candidates(output) for output in await final_outputs(streams)])
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:
