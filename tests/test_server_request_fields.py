@@ -212,7 +212,9 @@ def test_beam_search_returns_transformers_beams(server, tiny_engine, tiny_models
 @pytest.mark.parametrize("body, param", [
     (dict(stream=True), "stream"), (dict(logprobs=2), "logprobs"), (dict(n=11), "n"),
     (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(structured_outputs={"regex": "a+"}), "structured_outputs"),
-    (dict(early_stopping="sometimes"), "early_stopping"),
+    (dict(early_stopping="sometimes"), "early_stopping"), (dict(stop=["x"]), "stop"),
+    (dict(frequency_penalty=0.5), "frequency_penalty"), (dict(top_p=0.9), "top_p"),
+    (dict(allowed_token_ids=[5]), "allowed_token_ids"),
 ])
 def test_beam_search_refuses_what_it_cannot_do(server, body, param):
     error = post(server, "/v1/completions", 400, model=MODEL, prompt="The sea", use_beam_search=True, max_tokens=4,

@@ -136,6 +136,13 @@ class SamplingFields(_Request):
         return None
 
 
+# What beam search does not apply (it ranks beams by the model's own logprobs), refused unless neutral
+BEAM_SEARCH_IGNORES = ("stop", "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "top_k",
+                       "top_p", "min_p")
+_NEUTRAL = {"repetition_penalty": 1.0, "top_k": -1, "top_p": 1.0}
+
+
 def _default(value, default):
     return default if value is None else value
 
@@ -223,10 +230,13 @@ class _OpenAIRequest(SamplingFields):
 
     def _check_beam_search(self) -> None:
         """What beam search cannot combine with: it returns whole beams, ranked by the model's own logprobs."""
+        changed = [name for name in BEAM_SEARCH_IGNORES if getattr(self, name) not in (None, False, 0, [], (),
+                                                                                   _NEUTRAL.get(name))]
         for name, given in (("stream", self.stream), ("logprobs", self.num_logprobs() is not None),
                             ("best_of", self.samples_to_rank() is not None),
                             ("prompt_logprobs", self.prompt_logprobs is not None),
-                            (self.constraint_field(), self.constraint_field() is not None)):
+                            (self.constraint_field(), self.constraint_field() is not None),
+                            (changed[0] if changed else None, bool(changed))):
             if given:
                 raise InvalidRequestError(name, f"{name} does not combine with use_beam_search")
         if not 1 <= (self.n or 1) <= 10:
