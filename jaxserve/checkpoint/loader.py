@@ -74,10 +74,14 @@ def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], A
         tensors = list(checkpoint.tensors.items())
         return checkpoint.config, tensors, checkpoint_formats(tensors)
     from jaxserve.checkpoint.hf import iter_safetensors, read_hf_config
+    from jaxserve.checkpoint.hf_quantized import quantized_tensors, read_scheme
 
     hf_config = read_hf_config(path)
-    check_quantization_config(hf_config)
-    return hf_config, iter_safetensors(path), {}
+    scheme = read_scheme(hf_config)
+    if scheme is None:
+        return hf_config, iter_safetensors(path), {}
+    tensors = list(quantized_tensors(iter_safetensors(path), scheme))
+    return hf_config, tensors, checkpoint_formats(tensors)
 
 
 def expected_params(state: nnx.State) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -88,16 +92,6 @@ def with_values(state: nnx.State, values: dict[tuple[str, ...], Any]) -> nnx.Sta
     """The abstract state with every leaf replaced by its loaded array."""
     return nnx.from_flat_state([(path, var.replace(values[tuple(str(k) for k in path)]))
                                 for path, var in nnx.to_flat_state(state)])
-
-
-def check_quantization_config(hf_config: dict) -> None:
-    """Refuses a checkpoint whose weights are stored in a quantized format we do not read: loading
-    its packed tensors as floats would be silently wrong."""
-    method = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if method is not None:
-        raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which jaxserve does "
-                         f"not read; give a float checkpoint (then --quantization int8, fp8 or int4 quantizes "
-                         f"it at load) or a GGUF file")
 
 
 def weight_formats(quantization: str, config: ModelConfig, native: dict[str, WeightFormat]) -> dict[str, WeightFormat]:
