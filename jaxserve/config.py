@@ -7,6 +7,7 @@ fields of `EngineConfig` one to one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -18,12 +19,18 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`)."""
+    """RoPE frequency scaling: Llama 3's (`rope_type: llama3`) or Phi-3's LongRoPE (`longrope`:
+    per-frequency factors, `short_factor` below `original_max_position_embeddings` and
+    `long_factor` from there, cos and sin scaled by `attention_factor`)."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    kind: str = "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int = 0               # the leading head dims RoPE rotates (0: all; Phi's partial_rotary_factor)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -55,6 +63,8 @@ class ModelConfig:
                  f"num_attention_heads={self.num_heads} must be a multiple of "
                  f"num_key_value_heads={self.num_kv_heads}")
         _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+        _require(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim,
+                 f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -67,7 +77,11 @@ class ModelConfig:
         rope = dict(hf.get("rope_parameters") or {})
         legacy_scaling = hf.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = _parse_rope_scaling({**legacy_scaling, **rope})
+        params = {"original_max_position_embeddings": hf.get("original_max_position_embeddings"),
+                  "max_position_embeddings": hf.get("max_position_embeddings"), **legacy_scaling, **rope}
+        scaling = _parse_rope_scaling(params)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
@@ -78,7 +92,7 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=_context_length(hf),
@@ -88,6 +102,7 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family.qk_norm,
             rope_scaling=scaling,
+            rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -102,17 +117,26 @@ def _context_length(hf: dict[str, Any]) -> int:
     return length
 
 
+ROPE_TYPES = ("default", "llama3", "longrope")
+
+
 def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return None
-    _require(kind == "llama3", f"rope scaling type {kind!r} is not supported; supported: 'default', 'llama3'")
-    return RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
+    _require(kind in ROPE_TYPES, f"rope scaling type {kind!r} is not supported; supported: {ROPE_TYPES}")
+    original = int(params["original_max_position_embeddings"])
+    if kind == "longrope":
+        # As transformers: without `factor`, the context's growth over the original; the attention
+        # factor from the paper unless given.
+        factor = float(params.get("factor") or params["max_position_embeddings"] / original)
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return RopeScaling(original, "longrope", factor, short_factor=tuple(map(float, params["short_factor"])),
+                           long_factor=tuple(map(float, params["long_factor"])), attention_factor=float(attention))
+    return RopeScaling(original, "llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                       float(params["high_freq_factor"]))
 
 
 def parse_mesh(text: str) -> tuple[int, int]:

@@ -32,6 +32,10 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    # LongRoPE past position 64 (the tests decode across it), 12 of 16 head dims rotated
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=64, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+        short_factor=[1.0, 1.05, 1.1, 1.2, 1.3, 1.5], long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))),
 }
 
 

@@ -59,6 +59,29 @@ def test_logits_match_transformers(variant, tiny_models):
     np.testing.assert_allclose(decoded, reference[PROMPT_LEN:PROMPT_LEN + DECODE_STEPS], atol=1e-4, rtol=0)
 
 
+def test_phi3_longrope_switches_to_the_long_factors_past_the_original_context(tiny_models):
+    """Decoding across position 64 one token at a time through transformers' cache: the short
+    factors up to 63, the long ones from 64, each token by its own position. (transformers'
+    `generate` instead drops its cache at the crossing and recomputes every position with the
+    long factors; see jaxserve.models.layers.rope.)"""
+    directory, hf_model = tiny_models("phi3")
+    model = load_model(str(directory), "float32")
+    assert model.config.rotary_dim == 12 and model.config.rope_scaling.kind == "longrope"
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, model.config.vocab_size, 60).tolist()
+    continuation = rng.integers(0, model.config.vocab_size, 8).tolist()
+    with torch.no_grad():
+        step = hf_model(torch.tensor([prompt]), use_cache=True)
+        reference = [step.logits[0, -1]]
+        for token in continuation:
+            step = hf_model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+            reference.append(step.logits[0, -1])
+    reference = torch.stack(reference).numpy()    # positions 59 (the prompt's last), 60, ..., 67
+    prefill, decoded = _paged_logits(model, prompt, continuation)
+    np.testing.assert_allclose(prefill[-1], reference[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(decoded, reference[1:], atol=1e-4, rtol=0)
+
+
 def test_variants_read_their_family_switches(tiny_models):
     assert load_model(str(tiny_models("qwen2")[0]), "float32").config.qkv_bias
     qwen3 = load_model(str(tiny_models("qwen3")[0]), "float32").config

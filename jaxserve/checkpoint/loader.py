@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.checkpoint import orbax
 from jaxserve.checkpoint.default_model import default_model_path
-from jaxserve.checkpoint.weight_maps import checkpoint_formats, map_hf_weights
+from jaxserve.checkpoint.weight_maps import checkpoint_formats, map_hf_weights, split_fused
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers.linear import WeightFormat
 from jaxserve.models.llama import abstract_model, linear_shapes
@@ -78,9 +78,10 @@ def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], A
 
     hf_config = read_hf_config(path)
     scheme = read_scheme(hf_config)
+    config = ModelConfig.from_hf(hf_config)
     if scheme is None:
-        return hf_config, iter_safetensors(path), {}
-    tensors = list(quantized_tensors(iter_safetensors(path), scheme))
+        return hf_config, split_fused(iter_safetensors(path), config), {}
+    tensors = list(split_fused(quantized_tensors(iter_safetensors(path), scheme), config))
     return hf_config, tensors, checkpoint_formats(tensors)
 
 

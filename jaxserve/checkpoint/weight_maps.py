@@ -1,6 +1,7 @@
 """Hugging Face weight names -> jaxserve parameter paths, as one declarative table per family.
 
-Every family we run uses Llama's names, so one table serves them all; a parameter the model does
+Every family we run uses Llama's names (Phi-3's fused `qkv_proj` and `gate_up_proj` are split
+into them first, `split_fused`), so one table serves them all; a parameter the model does
 not have (say `q_bias` on Llama) is simply never asked for. HF stores linear weights `[out, in]`;
 we store `[in, out]`. Per-layer tensors are stacked on a leading layer axis.
 
@@ -12,10 +13,11 @@ quantized tensor meant to be float is dequantised.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from jaxserve.config import ModelConfig
 from jaxserve.models.layers.linear import WeightFormat
 from jaxserve.quantization import QuantizedTensor, quantize
 
@@ -56,6 +58,36 @@ LLAMA_WEIGHT_MAP: tuple[tuple[str, tuple[str, ...], Transform], ...] = (
     (_LAYER + r"mlp\.up_proj\.bias", ("layers", "up_bias"), _same),
     (_LAYER + r"mlp\.down_proj\.bias", ("layers", "down_bias"), _same),
 )
+
+# Fused HF tensors (Phi-3) -> the unfused names they stand for, in row order ([out, in]).
+_FUSED = re.compile(r"(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+
+
+def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    q, kv, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+            "mlp.gate_up_proj": (("mlp.gate_proj", ffn), ("mlp.up_proj", ffn))}
+
+
+def split_fused(tensors: Iterable[tuple[str, object]], cfg: ModelConfig) -> Iterator[tuple[str, object]]:
+    """Each fused tensor as its parts (row slices, quantized ones included), named as Llama's."""
+    rows_of = _fused_rows(cfg)
+    for name, tensor in tensors:
+        match = _FUSED.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        parts, start = rows_of[match[2]], 0
+        total = sum(rows for _, rows in parts)
+        if tensor.shape[0] != total:
+            raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; the config's "
+                             f"{' + '.join(f'{p} {r}' for p, r in parts)} make {total}")
+        for part, rows in parts:
+            piece = slice(start, start + rows)
+            sliced = tensor.map_rows(lambda a: a[piece]) if isinstance(tensor, QuantizedTensor) else tensor[piece]
+            yield f"{match[1]}{part}.weight", sliced
+            start += rows
+
 
 # HF tensors that carry nothing we need (buffers some exports save).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

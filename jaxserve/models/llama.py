@@ -1,4 +1,4 @@
-"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in Flax NNX.
+"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) in Flax NNX.
 
 All layers' weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so a
 program compiles in about the time of one layer whatever the depth. Weights are created abstractly
@@ -17,7 +17,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
 from jaxserve.models.layers.linear import QuantizedWeight, WeightFormat, Weight, embed_lookup, lm_head, matmul
 from jaxserve.models.layers.norm import rms_norm
-from jaxserve.models.layers.rope import apply_rope, inverse_frequencies
+from jaxserve.models.layers.rope import apply_rope, rope_for
 
 
 def _param(shape: tuple[int, ...], dtype) -> nnx.Param:
@@ -87,9 +87,9 @@ class DecoderLayer(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
+        rope = rope_for(cfg)
+        q = apply_rope(q, meta.positions, rope)
+        k = apply_rope(k, meta.positions, rope)
         attn, kv_pages = attention(q, k, v, kv_pages, layer, meta)
         x = x + _linear(attn.reshape(attn.shape[0], -1), self.o_proj, self.o_bias)
 

@@ -16,6 +16,7 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(),        # without sliding window
     "Qwen2ForCausalLM": Family(qkv_bias=True),
     "Qwen3ForCausalLM": Family(qk_norm=True),
+    "Phi3ForCausalLM": Family(),           # fused qkv / gate_up split at load; LongRoPE, partial rotary
 }
 
 
