@@ -66,7 +66,7 @@ CASES = [
      "truncate_prompt_tokens=-2 is out of range: must be >= -1"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
      "must be >= 1, or -1 (max_model_len)"),
-    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "at least 1 item"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix='y' is not supported yet"),
     # a constraint whose only token ("7", id 39) is a stop id held back by min_tokens: a dead end
     ("/v1/completions", {"prompt": "Pick:", "temperature": 0, "max_tokens": 8, "min_tokens": 2, "stop_token_ids": [39],
