@@ -128,16 +128,98 @@ def test_dequantisation_within_quantisation_error(tmp_path, qtype, tolerance):
             assert err > 0, "quantised data came back bit-exact: was it quantised at all?"
 
 
-def test_unsupported_quant_type_is_named(tmp_path):
-    path = _write_gguf(tmp_path / "q5.gguf", _hf_weights(), matrix_type=Q.Q5_0)
-    with pytest.raises(NotImplementedError, match=r"Q5_0.*supported: .*Q4_1"):
-        load_gguf(path)
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1])
+def test_other_quant_types_are_dequantised_at_load(tmp_path, qtype, caplog):
+    weights = _hf_weights(seed=2)
+    with caplog.at_level("INFO", logger="jaxserve.checkpoint.gguf"):
+        ckpt = load_gguf(_write_gguf(tmp_path / "q5.gguf", weights, matrix_type=qtype), native=True)
+    assert f"{qtype.name} tensors dequantised to float32 at load" in caplog.text
+    for name, w in weights.items():
+        assert ckpt.tensors[name].dtype == np.float32, name
+        # Q5_0 maps a block's signed extreme to -16, so the other may clip at +15 (as Q4_0 above)
+        assert np.abs(ckpt.tensors[name] - w).max() <= np.abs(w).max() / 15, name
 
 
 def test_other_architecture_is_named(tmp_path):
-    path = _write_gguf(tmp_path / "qwen.gguf", _hf_weights(), arch="qwen2")
-    with pytest.raises(NotImplementedError, match="'qwen2'"):
+    path = _write_gguf(tmp_path / "falcon.gguf", _hf_weights(), arch="falcon")
+    with pytest.raises(NotImplementedError, match="'falcon' is not supported; supported: llama, qwen2, qwen3"):
         load_gguf(path)
+
+
+def _write_family_gguf(path, directory, arch, config):
+    """A transformers checkpoint as llama.cpp's converter writes it for qwen2 / qwen3 (no q/k
+    row permutation; biases and q/k norms under their blk names)."""
+    from safetensors.numpy import load_file
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta")))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, w in load_file(directory / "model.safetensors").items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]
+        else:
+            _, _, layer, *module, kind = name.split(".")
+            gguf = f"blk.{layer}.{names['.'.join(module)]}.{kind}"
+        writer.add_tensor(gguf, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_qwen_gguf_files_read_as_transformers_reads_them(variant, tiny_models, smollm2_tokenizer, tmp_path,
+                                                         monkeypatch):
+    """transformers' own GGUF reader is the oracle for names, layouts and the config. (It reads
+    qwen3's head_dim as 128 whatever the file says, so that model has 128.)"""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import write_tiny_model
+
+    if variant == "qwen3":
+        directory = tmp_path / "hf"
+        write_tiny_model(directory, "qwen3", smollm2_tokenizer, head_dim=128)
+    else:
+        directory, _ = tiny_models(variant)
+    config = json.loads((directory / "config.json").read_text())
+    (tmp_path / "gguf").mkdir()
+    path = _write_family_gguf(tmp_path / "gguf" / f"{variant}.gguf", directory, variant, config)
+    ckpt = load_gguf(path)
+    assert ckpt.config["architectures"] == config["architectures"]
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).state_dict()
+    assert set(ckpt.tensors) == set(reference)
+    for name, tensor in ckpt.tensors.items():
+        np.testing.assert_array_equal(tensor, reference[name].numpy(), err_msg=name)
+    # Served from the GGUF, the model gives the HF directory's logits (its config read right too).
+    from jaxserve.checkpoint.loader import load_model
+    from test_llama import _paged_logits
+
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    ours = [np.concatenate(_paged_logits(load_model(str(p), "float32"), list(range(3, 30)), [5, 6]))
+            for p in (path, directory)]
+    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+    if variant == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in ckpt.tensors
+    else:
+        assert ckpt.config["head_dim"] == 128 and "model.layers.1.self_attn.k_norm.weight" in ckpt.tensors
 
 
 @pytest.fixture(scope="module")

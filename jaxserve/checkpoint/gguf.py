@@ -1,12 +1,16 @@
 """Read llama.cpp GGUF files: an HF-style config, weights under HF names, and the tokenizer.
 
-Q8_0, Q4_0 and Q4_1 tensors can stay quantized (`native=True`): their blocks of 32 become a
-`QuantizedTensor` without a float copy. Every other type is dequantised to float32.
+Architectures (`general.architecture`): llama, qwen2 (q/k/v biases) and qwen3 (q/k norms), with
+the metadata keys under the architecture's prefix. Q8_0, Q4_0 and Q4_1 tensors can stay quantized
+(`native=True`): their blocks of 32 become a `QuantizedTensor` without a float copy. Every other
+type the `gguf` package decodes (F16, BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32,
+with a log line naming the types.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 
@@ -18,7 +22,12 @@ from tokenizers import pre_tokenizers
 from jaxserve.models.layers.linear import WeightFormat
 from jaxserve.quantization import QuantizedTensor
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+log = logging.getLogger(__name__)
+
+# general.architecture -> (HF architecture, model_type)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+FLOAT_TYPES = ("F32", "F16", "BF16")
 NATIVE_FORMATS = {
     "Q8_0": WeightFormat("int8", 32, "float16", "Q8_0"),
     "Q4_0": WeightFormat("uint4", 32, "float16", "Q4_0"),
@@ -40,8 +49,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Vocabulary arrays: large, and only the tokenizer (built by transformers) needs them.
 _VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
@@ -56,23 +67,31 @@ class GGUFCheckpoint:
 
 
 def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
-    """Read a llama-architecture GGUF file. Every tensor is dequantised to float32, except with
-    `native` the 2-D tensors of a type in `NATIVE_FORMATS`, which stay quantized."""
+    """Read a GGUF file of one of `ARCHITECTURES`. Every tensor is dequantised to float32, except
+    with `native` the 2-D tensors of a type in `NATIVE_FORMATS`, which stay quantized."""
     reader = GGUFReader(path)
     fields = _fields(reader)
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise NotImplementedError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    config = _hf_config(fields, {t.name: [int(d) for d in t.shape] for t in reader.tensors})
-    tensors = {}
+    if arch not in ARCHITECTURES:
+        raise NotImplementedError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                                  f"{', '.join(ARCHITECTURES)}")
+    config = _hf_config(fields, arch, {t.name: [int(d) for d in t.shape] for t in reader.tensors})
+    # llama.cpp interleaves q/k rows for its llama architecture only.
+    unpermute = _unpermute if arch == "llama" else (lambda name, w, config: w)
+    tensors, dequantised = {}, set()
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         qtype = GGMLQuantizationType(tensor.tensor_type).name
         if native and qtype in NATIVE_FORMATS and len(tensor.shape) == 2:
             weight = _blocks(tensor, NATIVE_FORMATS[qtype])
-            tensors[name] = weight.map_rows(lambda rows: _unpermute(name, rows, config))
+            tensors[name] = weight.map_rows(lambda rows: unpermute(name, rows, config))
         else:
-            tensors[name] = _unpermute(name, _dequantize(tensor), config)
+            tensors[name] = unpermute(name, _dequantize(tensor), config)
+            if qtype not in FLOAT_TYPES and len(tensor.shape) == 2:
+                dequantised.add(qtype)
+    if dequantised:
+        log.info("%s: %s tensors dequantised to float32 at load (served natively: %s)", Path(path).name,
+                 ", ".join(sorted(dequantised)), ", ".join(NATIVE_FORMATS) if native else "none, as asked")
     return GGUFCheckpoint(config=config, tensors=tensors)
 
 
@@ -117,32 +136,36 @@ def _fields(reader: GGUFReader) -> dict:
     return {key: field.contents() for key, field in reader.fields.items() if key not in _VOCAB_KEYS}
 
 
-def _hf_config(fields: dict, shapes: dict[str, list[int]]) -> dict:
-    """Build a `LlamaForCausalLM` config.json dict from the GGUF `llama.*` keys."""
-    hidden = int(fields["llama.embedding_length"])
-    heads = int(fields["llama.attention.head_count"])
+def _hf_config(fields: dict, arch: str, shapes: dict[str, list[int]]) -> dict:
+    """Build an HF config.json dict from the GGUF `<arch>.*` keys."""
+    def key(name):
+        return f"{arch}.{name}"
+
+    hidden = int(fields[key("embedding_length")])
+    heads = int(fields[key("attention.head_count")])
+    architecture, model_type = ARCHITECTURES[arch]
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         # ggml shapes list the fastest dimension first: token_embd is [hidden, vocab].
-        "vocab_size": int(fields.get("llama.vocab_size", shapes["token_embd.weight"][1])),
+        "vocab_size": int(fields.get(key("vocab_size"), shapes["token_embd.weight"][1])),
         "hidden_size": hidden,
-        "intermediate_size": int(fields["llama.feed_forward_length"]),
-        "num_hidden_layers": int(fields["llama.block_count"]),
+        "intermediate_size": int(fields[key("feed_forward_length")]),
+        "num_hidden_layers": int(fields[key("block_count")]),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(fields.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(fields.get("llama.attention.key_length", hidden // heads)),
+        "num_key_value_heads": int(fields.get(key("attention.head_count_kv"), heads)),
+        "head_dim": int(fields.get(key("attention.key_length"), hidden // heads)),
         "hidden_act": "silu",
-        "rms_norm_eps": _f32(fields["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": _f32(fields.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(fields["llama.context_length"]),
+        "rms_norm_eps": _f32(fields[key("attention.layer_norm_rms_epsilon")]),
+        "rope_theta": _f32(fields.get(key("rope.freq_base"), 10000.0)),
+        "max_position_embeddings": int(fields[key("context_length")]),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
     }
-    rope_scaling = _rope_scaling(fields)
+    rope_scaling = _rope_scaling(fields, arch)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
@@ -153,19 +176,19 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(fields: dict) -> dict | None:
-    """Return HF `rope_scaling` from the GGUF `llama.rope.scaling.*` keys, or None when absent."""
-    kind = fields.get("llama.rope.scaling.type", "none")
+def _rope_scaling(fields: dict, arch: str) -> dict | None:
+    """Return HF `rope_scaling` from the GGUF `<arch>.rope.scaling.*` keys, or None when absent."""
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
-    scaling = {"rope_type": kind, "factor": _f32(fields["llama.rope.scaling.factor"])}
+    scaling = {"rope_type": kind, "factor": _f32(fields[f"{arch}.rope.scaling.factor"])}
     optional = {
-        "original_max_position_embeddings": "llama.rope.scaling.original_context_length",
-        "attention_factor": "llama.rope.scaling.attn_factor",
-        "beta_fast": "llama.rope.scaling.yarn_beta_fast",
-        "beta_slow": "llama.rope.scaling.yarn_beta_slow",
+        "original_max_position_embeddings": "rope.scaling.original_context_length",
+        "attention_factor": "rope.scaling.attn_factor",
+        "beta_fast": "rope.scaling.yarn_beta_fast",
+        "beta_slow": "rope.scaling.yarn_beta_slow",
     }
-    scaling.update({hf: fields[key] for hf, key in optional.items() if key in fields})
+    scaling.update({hf: fields[f"{arch}.{key}"] for hf, key in optional.items() if f"{arch}.{key}" in fields})
     return scaling
 
 
@@ -176,17 +199,13 @@ def _hf_name(name: str) -> str:
     match = _LAYER_RE.fullmatch(name)
     if match is None or match[2] not in _LAYER_NAMES:
         # e.g. rope_freqs.weight (Llama 3.1 rope scaling), which has no HF tensor.
-        raise NotImplementedError(f"GGUF tensor {name!r} has no HF Llama equivalent")
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.weight"
+        raise NotImplementedError(f"GGUF tensor {name!r} has no HF equivalent")
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
 
 
 def _dequantize(tensor) -> np.ndarray:
     """Return one GGUF tensor as float32 in HF layout ([out, in] for matrices)."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
-    if qtype.name not in SUPPORTED_TYPES:
-        raise NotImplementedError(
-            f"GGUF tensor {tensor.name!r} has type {qtype.name}; supported: {', '.join(SUPPORTED_TYPES)}"
-        )
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return np.asarray(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
 
