@@ -42,7 +42,7 @@ HELP = {
     "quantization": "weights: auto (the checkpoint's own: a GGUF's Q8_0/Q4_0/Q4_1 stay quantized), none "
                     "(dequantised to --dtype), int8 / fp8 (per channel) or int4 (groups of 32), quantized at load",
     "kv_cache_dtype": "KV cache pages: auto (--dtype), int8 (a scale per token and KV head) or fp8 (= fp8_e4m3, "
-                      "one scale of 1); narrow pages need --attention-backend xla",
+                      "one scale of 1); both attention backends read them",
     "max_model_len": "context length (4k = 4000, 4K = 4096); none: the model's",
     "page_size": "tokens per KV cache page",
     "gpu_memory_utilization": "share of each device's memory (TPU/GPU: its XLA limit; CPU: the host's) for the "

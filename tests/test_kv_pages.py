@@ -1,6 +1,6 @@
 """KV pool dtypes (`--kv-cache-dtype`): capacity for the same bytes, the int8 and fp8 pages' write
-and read against their float values, and the engine on a narrow pool: prefix caching, preemption
-and n > 1 forks lose nothing, and every page returns."""
+and read against their float values, both attention backends reading them alike, and the engine on a
+narrow pool: prefix caching, preemption and n > 1 forks lose nothing, and every page returns."""
 
 import dataclasses
 
@@ -17,6 +17,7 @@ from jaxserve.engine.step import copy_pages
 from jaxserve.models.layers.attention import _gather_pages, write_kv
 from jaxserve.sampling_params import SamplingParams
 
+from test_attention import _greedy_logits
 from test_llama import _paged_logits
 
 MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=8,
@@ -79,9 +80,20 @@ def test_narrow_pool_logits_track_the_float_pool(name, bound, tiny, monkeypatch)
     assert 0 < error < bound
 
 
-def test_pallas_backend_refuses_a_narrow_pool(tiny):
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' needs attention_backend 'xla'"):
-        Runner(tiny, 8, 4, 32, 1, 16, 16, attention_backend="pallas", kv_cache_dtype="int8")
+def test_pallas_backend_on_an_int8_pool_gives_the_xla_logits(tiny):
+    """Same pool dtype, same quantizer: the kernels (interpreted) read what the XLA backend reads.
+    One-token prompts keep every step in one bucket (one compile per backend); six steps cross a
+    page, each reading the int8 pages and scales that the steps before it wrote."""
+    prompts = {name: [token] for name, token in (("a", 5), ("b", 300), ("c", 40000))}
+    logits = {}
+    for backend in ("xla", "pallas"):
+        runner = Runner(tiny, 64, 4, 128, 4, 64, 16, kv_chunk_tokens=8, attention_backend=backend,
+                        kv_cache_dtype="int8")
+        logits[backend] = _greedy_logits(runner, prompts, steps=5)
+    pool = runner.kv_pages   # the Pallas runner's
+    assert pool.k.dtype == jnp.int8 and float(jnp.abs(pool.k_scale).max()) > 0   # the kernels wrote scales
+    for name in prompts:
+        np.testing.assert_allclose(logits["pallas"][name], logits["xla"][name], atol=1e-4, rtol=0)
 
 
 CONFIG = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="int8")

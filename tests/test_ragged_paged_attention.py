@@ -1,5 +1,6 @@
-"""Ragged paged attention: both kernel variants against the jnp reference, the reference against
-dense attention in numpy, write_kv against the jnp scatter, and Mosaic/Triton lowerings by export.
+"""Ragged paged attention: both kernel variants against the jnp reference (pools of the compute
+dtype, int8 with scales, fp8), the reference against dense attention in numpy, write_kv against the
+jnp scatter, and Mosaic/Triton lowerings by export.
 
 On CPU both variants run interpreted. With JAXSERVE_PALLAS_INTERPRET=0 the variant of the default
 backend runs compiled instead (tools/gpu_check.sh); interpret-only tests then skip.
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import (Tuning, ragged_paged_attention,
+from pallas_kernels.ragged_paged_attention import (Tuning, quantize_kv, ragged_paged_attention,
                                                    ragged_paged_attention_reference, tuning_for,
                                                    write_kv, write_kv_reference)
 from pallas_kernels.ragged_paged_attention.reference import visible_keys
@@ -35,6 +36,7 @@ interpret_only = pytest.mark.skipif(COMPILED, reason="interpret-mode test (CPU)"
 SMALL = Tuning(q_block_tokens=16, decode_q_block_tokens=1, kv_block_tokens=16, kv_heads_per_block=1,
                gpu_block_rows=16, gpu_decode_block_rows=16, write_block_tokens=16)
 JUNK = 3e4
+KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +146,24 @@ def assert_blind_rows_zero(out, args):
     assert np.all(np.asarray(out, np.float32)[blind] == 0)
 
 
+def narrow_pool(args, kv_dtype: str):
+    """args with the pool quantized to `kv_dtype` ("int8": its scales appended). The junk rows
+    (page 0, page tails) become NaN: fp8 values, int8 scales."""
+    q, k_pages, v_pages, *metadata = args
+    pools, scales = [], []
+    for pool in (k_pages, v_pages):
+        junk = (pool == JUNK).all(axis=-1)
+        values, scale = quantize_kv(jnp.where(junk[..., None], jnp.nan, pool), KV_DTYPES[kv_dtype])
+        pools.append(values)
+        if scale is not None:
+            scales.append(jnp.where(junk, jnp.nan, scale))
+    return (q, *pools, *metadata, *scales)
+
+
 @functools.lru_cache(maxsize=None)
-def batches(shape: Shape, count: int = 4, seed: int = 0):
-    """`count` (args, reference out) pairs with 1, 16 and random sequence counts; cached per shape."""
+def batches(shape: Shape, count: int = 4, seed: int = 0, kv_dtype: str | None = None):
+    """`count` (args, reference out) pairs with 1, 16 and random sequence counts; cached per shape.
+    kv_dtype "int8" | "fp8": over that narrow pool (`narrow_pool`)."""
     rng = np.random.default_rng(seed)
     reference = jax.jit(ragged_paged_attention_reference)
     pool_shape = (shape.layers, shape.kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
@@ -154,6 +171,8 @@ def batches(shape: Shape, count: int = 4, seed: int = 0):
     result = []
     for num_seqs in [1, shape.max_seqs] + list(rng.integers(2, shape.max_seqs, count - 2)):
         args = random_batch(rng, shape, int(num_seqs), pool)
+        if kv_dtype is not None:
+            args = narrow_pool(args, kv_dtype)
         result.append((args, reference(*args)))
     return result
 
@@ -189,6 +208,47 @@ def test_kernel_matches_reference(platform, shape):
         assert out.shape == args[0].shape and out.dtype == args[0].dtype
         assert_close(out, expected, shape.dtype)
         assert_blind_rows_zero(out, args)
+
+
+NARROW_SHAPES = [  # (shape, pool dtype): few, since each costs an interpreter compile
+    (Shape(9, 3, 64, 16, "float32", SMALL, tokens=48, max_seqs=6, max_kv=200), "int8"),
+    (Shape(8, 2, 64, 8, "bfloat16", tokens=64, max_seqs=6, max_kv=160), "fp8"),
+]
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+@pytest.mark.parametrize("shape,kv_dtype", NARROW_SHAPES, ids=lambda x: str(x))
+def test_kernel_matches_reference_on_narrow_pools(platform, shape, kv_dtype):
+    """int8 pages with their scales, fp8 pages; NaN in the junk rows' scales (int8) or values (fp8)."""
+    for args, expected in batches(shape, count=2, kv_dtype=kv_dtype):
+        assert args[1].dtype == KV_DTYPES[kv_dtype] and len(args) == (10 if kv_dtype == "int8" else 8)
+        out = run_kernel(platform, shape, args)
+        assert out.dtype == args[0].dtype
+        assert_close(out, expected, shape.dtype)
+        assert_blind_rows_zero(out, args)
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+
+
+@pytest.mark.parametrize("shape,kv_dtype", NARROW_SHAPES, ids=lambda x: str(x))
+def test_reference_reads_narrow_pools_as_their_dequantized_values(shape, kv_dtype):
+    reference = jax.jit(ragged_paged_attention_reference)
+    for args, expected in batches(shape, count=2, kv_dtype=kv_dtype):
+        q, k_pages, v_pages, layer, *metadata = args[:8]
+        k_pages, v_pages = (x.astype(jnp.float32) for x in (k_pages, v_pages))
+        if kv_dtype == "int8":
+            k_pages, v_pages = (x * scale[..., None] for x, scale in zip((k_pages, v_pages), args[8:]))
+        assert_close(expected, reference(q, k_pages, v_pages, layer, *metadata), shape.dtype)
+        assert float(jnp.abs(expected.astype(jnp.float32)).max()) > 0.1
+
+
+def test_narrow_pool_needs_its_scales_exactly_for_int8():
+    args = batches(NARROW_SHAPES[0][0], count=2, kv_dtype="int8")[0][0]
+    with pytest.raises(ValueError, match="k_scale and v_scale must both be given for an int8 pool"):
+        ragged_paged_attention(*args[:8])
+    with pytest.raises(ValueError, match=r"k_scale must be float32 \(2, 3, 157, 16\)"):
+        ragged_paged_attention(*args[:8], args[8][..., :8], args[9])
+    with pytest.raises(ValueError, match="must share one dtype of .*'int8', 'float8_e4m3fn'"):
+        ragged_paged_attention(args[0], *(x.astype(jnp.float16) for x in args[1:3]), *args[3:8])
 
 
 @pytest.mark.parametrize("platform", VARIANTS)
@@ -266,22 +326,48 @@ def test_bad_head_counts_are_rejected():
 
 
 @pytest.mark.parametrize("platform", VARIANTS)
-@pytest.mark.parametrize("kv_heads,head_dim,page_size,dtype",
-                         [(3, 64, 16, "float32"), (8, 128, 8, "bfloat16")])
-def test_write_kv_matches_scatter(platform, kv_heads, head_dim, page_size, dtype):
+@pytest.mark.parametrize("kv_heads,head_dim,page_size,dtype,kv_dtype",
+                         [(3, 64, 16, "float32", None), (8, 128, 8, "bfloat16", None),
+                          (3, 64, 16, "float32", "int8"), (8, 128, 8, "bfloat16", "fp8")])
+def test_write_kv_matches_scatter(platform, kv_heads, head_dim, page_size, dtype, kv_dtype):
     rng = np.random.default_rng(1)
     layers, num_pages, real, padding = 3, 20, 30, 10
     pool_shape = (layers, kv_heads, num_pages, page_size, head_dim)
-    k_pages, v_pages = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((real + padding, kv_heads, head_dim)), dtype) for _ in range(2))
+    pools = [jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in range(2)]
+    scales = []
+    if kv_dtype is not None:
+        quantized = [quantize_kv(x, KV_DTYPES[kv_dtype]) for x in pools]
+        pools, scales = [x for x, _ in quantized], [s for _, s in quantized if s is not None]
+    # v spans +-1000: past fp8's 448, where only the clip keeps the cast from NaN.
+    k, v = (jnp.asarray(rng.standard_normal((real + padding, kv_heads, head_dim)) * size, dtype)
+            for size in (1, 300))
     slots = np.concatenate([rng.permutation(np.arange(page_size, num_pages * page_size))[:real],
                             rng.integers(0, page_size, padding)])  # padding writes into page 0
-    args = (k_pages, v_pages, k, v, jnp.int32(1), jnp.asarray(slots, jnp.int32))
+    args = (*pools, k, v, jnp.int32(1), jnp.asarray(slots, jnp.int32), *scales)
     out = write_kv(*args, platform=platform, tuning=SMALL, interpret=INTERPRET)
-    for got, want in zip(out, write_kv_reference(*args)):
+    expected = write_kv_reference(*args)
+    assert [x.dtype for x in out] == [x.dtype for x in expected] == [x.dtype for x in (*pools, *scales)]
+    for got, want in zip(out, expected, strict=True):
         got, want = np.array(got, np.float32), np.array(want, np.float32)
         got[1, :, 0], want[1, :, 0] = 0, 0  # page 0: duplicate writes land in any order
         np.testing.assert_array_equal(got, want)
+    if kv_dtype is not None:
+        assert_rows_read_back(out, (k, v), slots[:real], page_size, kv_dtype)
+
+
+def assert_rows_read_back(pools, new, slots, page_size, kv_dtype):
+    """The written rows, dequantized, are their values to within half a quantization step."""
+    at = (1, slice(None), slots // page_size, slots % page_size)
+    for i, x in enumerate(new):
+        x = np.asarray(x[:len(slots)], np.float32)
+        got = np.asarray(pools[i][at], np.float32)
+        if kv_dtype == "int8":
+            got = got * np.asarray(pools[2 + i][at])[..., None]
+            step = np.abs(x).max(-1, keepdims=True) / 127 / 2
+        else:
+            x = np.clip(x, -448, 448)
+            step = np.maximum(np.abs(x) * 2**-4, 2**-10)
+        assert (np.abs(got - x) <= step * 1.001 + 1e-7).all()
 
 
 @pytest.mark.parametrize("platform", VARIANTS)
@@ -316,23 +402,30 @@ def export(fn, platform, *args):
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
 
 
+# (model, tokens, pool dtype): every model at decode and prefill sizes; narrow pools at decode.
+LOWERINGS = ([(model, tokens, "auto") for model in MODELS for tokens in (8, 512)]
+             + [(model, 8, kv) for model in ("smollm2", "llama3-8b") for kv in KV_DTYPES])
+
+
 @interpret_only
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("tokens", [8, 512])
-def test_kernels_lower_for_the_device(platform, model, tokens):
+@pytest.mark.parametrize("model,tokens,kv_dtype", LOWERINGS, ids=lambda x: str(x))
+def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype):
     heads, kv_heads, head_dim, layers, dtype = MODELS[model]
     seqs, page_size, num_pages, pages_per_seq = 8, 16, 1024, 128
     spec = jax.ShapeDtypeStruct
-    pool = spec((layers, kv_heads, num_pages, page_size, head_dim), dtype)
+    pool_shape = (layers, kv_heads, num_pages, page_size)
+    pool = spec((*pool_shape, head_dim), KV_DTYPES.get(kv_dtype, dtype))
+    scales = (spec(pool_shape, jnp.float32),) * 2 if kv_dtype == "int8" else ()
     i32 = lambda *dims: spec(dims, jnp.int32)
     attention_args = (spec((tokens, heads, head_dim), dtype), pool, pool, i32(), i32(seqs, pages_per_seq),
-                      i32(seqs), i32(seqs + 1), i32(1))
+                      i32(seqs), i32(seqs + 1), i32(1), *scales)
     new_kv = spec((tokens, kv_heads, head_dim), dtype)
-    write_args = (pool, pool, new_kv, new_kv, i32(), i32(tokens))
+    write_args = (pool, pool, new_kv, new_kv, i32(), i32(tokens), *scales)
     for tuning in device_tunings(platform):
         kw = dict(platform=platform, tuning=tuning, interpret=False)
         attention = export(functools.partial(ragged_paged_attention, **kw), platform, *attention_args)
         written = export(functools.partial(write_kv, **kw), platform, *write_args)
         target = "tpu_custom_call" if platform == "tpu" else "triton"
         assert target in attention.mlir_module() and target in written.mlir_module()
+        assert len(written.out_avals) == 2 + len(scales)

@@ -101,9 +101,6 @@ class Runner:
         self.followers = followers
         self.attention_backend = resolve_backend(attention_backend)
         self.kv_dtype = kv_pool.resolve_kv_dtype(kv_cache_dtype, model.dtype)
-        if self.attention_backend == "pallas" and self.kv_dtype != model.dtype:
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs attention_backend 'xla': the Pallas "
-                             f"kernels read KV pages of the compute dtype only ({jax.numpy.dtype(model.dtype).name})")
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,

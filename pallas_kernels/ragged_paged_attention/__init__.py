@@ -11,6 +11,10 @@ sequence's pages of one layer of the pool:
   kv_lens       [S] int32                 context length including the new tokens (already written)
   cu_q_lens     [S + 1] int32             cumulative query starts
   num_seqs      [1] int32                 rows s >= num_seqs[0] are unused
+  k/v_scale     [layers, kv_heads, num_pages, page_size] float32, int8 pools only (else None)
+
+The pool holds q's dtype, or a narrow one (`quantize_kv`): int8 with a scale per token and KV
+head (read as value * scale), or float8_e4m3fn with one implicit scale of 1.
 
 Query i of sequence s sits at position kv_len - q_len + i and sees keys 0..position. Rows with
 kv_len < q_len are legal (negative positions see nothing); tokens at or past
@@ -32,11 +36,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import gpu, kernel, tpu
 from pallas_kernels.ragged_paged_attention.reference import (
-    ragged_paged_attention_reference, write_kv_reference)
+    FP8_MAX, NARROW_DTYPES, quantize_kv, ragged_paged_attention_reference, write_kv_reference)
 from pallas_kernels.ragged_paged_attention.tuning import Tuning, tuning_for
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "write_kv",
-           "write_kv_reference", "Tuning", "tuning_for"]
+           "write_kv_reference", "quantize_kv", "FP8_MAX", "NARROW_DTYPES", "Tuning", "tuning_for"]
 
 PLATFORMS = ("tpu", "gpu")
 
@@ -66,6 +70,27 @@ def _resolve(platform, interpret, tuning):
     if interpret is None:
         interpret = backend == "cpu"
     return platform, interpret, tuning if tuning is not None else tuning_for()
+
+
+def _check_pool_dtype(k_pages, v_pages, compute_dtype):
+    """Attention reads pages of the compute dtype or of a narrow one."""
+    allowed = (jnp.dtype(compute_dtype).name,) + tuple(d.name for d in NARROW_DTYPES)
+    if k_pages.dtype != v_pages.dtype or k_pages.dtype.name not in allowed:
+        raise ValueError(f"k_pages and v_pages must share one dtype of {allowed}, got "
+                         f"{k_pages.dtype} and {v_pages.dtype}")
+
+
+def _check_scales(k_pages, k_scale, v_scale):
+    """Scales come with int8 pools and only with them, shaped like the pool without head_dim."""
+    scaled = k_pages.dtype == jnp.int8
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None) != scaled:
+        raise ValueError(f"k_scale and v_scale must both be given for an int8 pool and only then; "
+                         f"pool {k_pages.dtype}, k_scale {'None' if k_scale is None else 'given'}, "
+                         f"v_scale {'None' if v_scale is None else 'given'}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and (scale.shape != k_pages.shape[:4] or scale.dtype != jnp.float32):
+            raise ValueError(f"{name} must be float32 {k_pages.shape[:4]} (the pool's shape without "
+                             f"head_dim), got {scale.dtype} {scale.shape}")
 
 
 def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs):
@@ -100,14 +125,19 @@ def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seq
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "platform", "tuning", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
-                           *, sm_scale=None, platform=None, tuning=None, interpret=None):
+                           k_scale=None, v_scale=None, *, sm_scale=None, platform=None, tuning=None,
+                           interpret=None):
     """out [T, heads, head_dim] in q.dtype: each token attends causally to its sequence's pages.
+
+    k/v_scale: the scales of an int8 pool (None for any other dtype).
 
     platform: "tpu" | "gpu" | None (from the backend; CPU runs the TPU kernel interpreted).
     interpret: None means True on CPU, False elsewhere; a `pltpu.InterpretParams` runs the TPU
       kernel in the slower TPU simulator. tuning: a `Tuning` (default: `tuning_for()`).
     """
     _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
+    _check_pool_dtype(k_pages, v_pages, q.dtype)
+    _check_scales(k_pages, k_scale, v_scale)
     platform, interpret, tuning = _resolve(platform, interpret, tuning)
     tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[1]
@@ -123,8 +153,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu
         if kv_heads % heads_per_block:
             raise ValueError(f"kv_heads_per_block={heads_per_block} must divide kv_heads={kv_heads}")
         rows = kernel.to_rows(q, kv_heads, _round_up(tokens, block_tokens) * group)
-        out = tpu.attention(rows, k_pages, v_pages, *metadata, group=group, block_tokens=block_tokens,
-                            kv_block_tokens=tuning.kv_block_tokens,
+        out = tpu.attention(rows, k_pages, v_pages, *metadata, k_scale, v_scale, group=group,
+                            block_tokens=block_tokens, kv_block_tokens=tuning.kv_block_tokens,
                             kv_heads_per_block=heads_per_block, sm_scale=sm_scale,
                             interpret=interpret)
     else:
@@ -133,7 +163,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu
         block_rows = tuning.gpu_decode_block_rows if decode_like else tuning.gpu_block_rows
         block_rows = min(block_rows, max(16, _next_power_of_2(tokens * group)))
         rows = kernel.to_rows(q, kv_heads, _round_up(tokens * group, block_rows))
-        out = gpu.attention(rows, k_pages, v_pages, *metadata,
+        out = gpu.attention(rows, k_pages, v_pages, *metadata, k_scale, v_scale,
                             group=group, block_rows=block_rows, kv_block_tokens=tuning.kv_block_tokens,
                             sm_scale=sm_scale, num_warps=tuning.gpu_num_warps,
                             num_stages=tuning.gpu_num_stages, interpret=interpret)
@@ -141,9 +171,11 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu
 
 
 @functools.partial(jax.jit, static_argnames=("platform", "tuning", "interpret"))
-def write_kv(k_pages, v_pages, k, v, layer, slot_mapping, *, platform=None, tuning=None,
-             interpret=None):
-    """(k_pages, v_pages) with k/v [T, kv_heads, head_dim] written at pool[layer, :, page, offset].
+def write_kv(k_pages, v_pages, k, v, layer, slot_mapping, k_scale=None, v_scale=None, *,
+             platform=None, tuning=None, interpret=None):
+    """(k_pages, v_pages) with k/v [T, kv_heads, head_dim] written at pool[layer, :, page, offset],
+    quantized to the pool's dtype as `quantize_kv` does; for an int8 pool k/v_scale are given and
+    come back updated after the pools: (k_pages, v_pages, k_scale, v_scale).
 
     slot_mapping [T] int32 = page * page_size + offset (padding tokens point into page 0). The
     pools are aliased to the outputs: donate them and the update is in place.
@@ -154,10 +186,15 @@ def write_kv(k_pages, v_pages, k, v, layer, slot_mapping, *, platform=None, tuni
     if slot_mapping.shape != k.shape[:1] or slot_mapping.dtype != jnp.int32:
         raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}], got {slot_mapping.dtype} "
                          f"{slot_mapping.shape}")
+    _check_scales(k_pages, k_scale, v_scale)
     platform, interpret, tuning = _resolve(platform, interpret, tuning)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    # Quantized here, elementwise over the new rows only: the kernels just move bytes.
+    (k, k_new_scale), (v, v_new_scale) = quantize_kv(k, k_pages.dtype), quantize_kv(v, v_pages.dtype)
+    pools, rows = (k_pages, v_pages), (k, v)
+    if k_scale is not None:
+        pools, rows = pools + (k_scale, v_scale), rows + (k_new_scale, v_new_scale)
     if platform == "tpu":
-        return tpu.write_kv(k_pages, v_pages, k, v, layer, slot_mapping, interpret=interpret)
-    return gpu.write_kv(k_pages, v_pages, k, v, layer, slot_mapping,
-                        block_tokens=tuning.write_block_tokens, num_warps=tuning.gpu_num_warps,
-                        interpret=interpret)
+        return tpu.write_kv(pools, rows, layer, slot_mapping, interpret=interpret)
+    return gpu.write_kv(pools, rows, layer, slot_mapping, block_tokens=tuning.write_block_tokens,
+                        num_warps=tuning.gpu_num_warps, interpret=interpret)

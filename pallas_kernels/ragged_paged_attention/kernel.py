@@ -12,6 +12,12 @@ Mask. Row r of sequence s (tokens cu_q_lens[s]:cu_q_lens[s + 1]) sits at positio
 
 Online softmax. Per row, a running max m, denominator l and accumulator acc (float32). A block
 whose row sees nothing leaves the row untouched; a row that saw nothing ends as 0, never NaN.
+
+Narrow pools. int8 and float8_e4m3fn values are exact in every float compute dtype, so a block is
+converted (through float32) to q's dtype and the matmuls stay there. int8's per-key scales
+multiply the scores' columns (q . k * scale_k) and the probabilities' columns before P @ V
+(p * scale_v): the same as scaling K's and V's rows, but a scale block is a row vector [1, C]
+along the lanes, like the scores, so no kernel ever moves it across the lanes/sublanes boundary.
 """
 
 from __future__ import annotations
@@ -50,22 +56,36 @@ def visible_mask(row, key, *, group, q_start, q_end, kv_len, row_offset_tokens):
     return (row >= first) & (row < end) & (key < kv_len) & causal
 
 
-def online_softmax_step(q, k, v, valid, key_valid, m, l, acc, *, sm_scale):
+def widen(block, dtype):
+    """A K/V block in the pool's dtype -> `dtype` (q's), exactly for int8 and float8 values."""
+    if block.dtype == dtype:
+        return block
+    return block.astype(jnp.float32).astype(dtype)
+
+
+def online_softmax_step(q, k, v, valid, key_valid, m, l, acc, *, sm_scale, k_scale=None,
+                        v_scale=None):
     """One KV block folded into (m [R, 1], l [R, 1], acc [R, D]); returns the new triple.
 
     q [R, D], k/v [C, D] in their storage dtype; valid [R, C]; key_valid [C, 1] zeroes V rows that
     hold junk (stale buffers, or the unwritten tail of a page), so 0 * NaN never reaches acc.
+    k/v_scale [1, C] float32 (int8 pools): the block's per-key scales, junk where keys are not
+    valid.
     """
+    k, v = widen(k, q.dtype), widen(v, q.dtype)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * sm_scale
+    if k_scale is not None:
+        s = s * k_scale
     s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - m_safe)
     alpha = jnp.exp(m - m_safe)
     v = jnp.where(key_valid, v, jnp.zeros_like(v))
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+    weights = p if v_scale is None else jnp.where(valid, p * v_scale, 0.0)  # junk scales: 0 * NaN
+    pv = jax.lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 

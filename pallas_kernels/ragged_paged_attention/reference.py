@@ -8,11 +8,15 @@ Inputs (see `ragged_paged_attention` for the full contract):
   kv_lens       [S] int32               context length, new tokens included
   cu_q_lens     [S + 1] int32           sequence s owns tokens cu_q_lens[s]:cu_q_lens[s + 1]
   num_seqs      [1] int32               rows s >= num_seqs[0] are junk
+  k/v_scale     [layers, kv_heads, num_pages, page_size] float32, int8 pools only (else None)
 
 Algorithm: each token finds its sequence, hence its position and how many keys it sees
 (`min(position + 1, kv_len)`, none for padding). A scan over the table's columns, a few pages a
 step, gathers every token's pages straight from the pool (never a whole layer) and folds them
 into an online softmax in float32, so memory is O(tokens x pages per step), not O(tokens x context).
+
+Narrow pools (`quantize_kv`): int8 values with a float32 scale per token and KV head, read as
+value * scale; float8_e4m3fn values with one implicit scale of 1 (clipped to +-448 on write).
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ def visible_keys(cu_q_lens, kv_lens, num_seqs, num_tokens: int):
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
-                                     num_seqs, *, sm_scale=None, platform=None, tuning=None,
-                                     interpret=None):
+                                     num_seqs, k_scale=None, v_scale=None, *, sm_scale=None,
+                                     platform=None, tuning=None, interpret=None):
     """out [T, heads, head_dim] in q.dtype; `platform`, `tuning`, `interpret` are ignored."""
     del platform, tuning, interpret
     num_tokens, heads, head_dim = q.shape
@@ -57,18 +61,19 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, k
     qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * scale
     keys_per_step = pages_per_step * page_size
 
-    def gather(pool, pages):  # pages [T, n] -> [T, kv_heads, n * page_size, head_dim] float32
-        blocks = pool[layer, :, pages]  # [T, n, kv_heads, page_size, head_dim]
-        blocks = jnp.swapaxes(blocks, 1, 2).reshape(num_tokens, kv_heads, keys_per_step, head_dim)
-        return blocks.astype(jnp.float32)
+    def gather(pool, scale, pages):  # pages [T, n] -> [T, kv_heads, n * page_size, head_dim] f32
+        blocks = pool[layer, :, pages].astype(jnp.float32)  # [T, n, kv_heads, page_size, head_dim]
+        if scale is not None:
+            blocks = blocks * scale[layer, :, pages][..., None]
+        return jnp.swapaxes(blocks, 1, 2).reshape(num_tokens, kv_heads, keys_per_step, head_dim)
 
     def step(carry, i):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_tables, i * pages_per_step, pages_per_step, axis=1)
         key = i * keys_per_step + jnp.arange(keys_per_step)
         valid = key[None, :] < visible[:, None]  # [T, C]
-        k = gather(k_pages, pages)
-        v = jnp.where(valid[:, None, :, None], gather(v_pages, pages), 0.0)  # junk may be inf/NaN
+        k = gather(k_pages, k_scale, pages)
+        v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scale, pages), 0.0)  # junk: inf/NaN
         s = jnp.einsum("tkgd,tkcd->tkgc", qf, k, precision=jax.lax.Precision.HIGHEST)
         s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -86,10 +91,30 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, k
     return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
 
 
-def write_kv_reference(k_pages, v_pages, k, v, layer, slot_mapping):
-    """The plain scatter: pool[layer, :, page, offset] = new row, for every token."""
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448
+NARROW_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def quantize_kv(x, dtype):
+    """x [T, kv_heads, head_dim] -> (values in the pool's `dtype`, scales [T, kv_heads] float32 for
+    int8, else None). int8: symmetric over head_dim, so each token's row keeps its own range."""
+    if dtype == jnp.int8:
+        scale = jnp.maximum(jnp.abs(x).max(axis=-1).astype(jnp.float32), 1e-12) / 127
+        return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+    if dtype == jnp.float8_e4m3fn:
+        return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(dtype), None  # the cast alone overflows to NaN
+    return x.astype(dtype), None
+
+
+def write_kv_reference(k_pages, v_pages, k, v, layer, slot_mapping, k_scale=None, v_scale=None):
+    """The plain scatter: pool[layer, :, page, offset] = new row (quantized as `quantize_kv` does),
+    for every token. Returns (k_pages, v_pages), and the scales after them when given."""
     page_size = k_pages.shape[3]
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    return (k_pages.at[layer, :, pages, offsets].set(k.astype(k_pages.dtype)),
-            v_pages.at[layer, :, pages, offsets].set(v.astype(v_pages.dtype)))
+    at = (layer, slice(None), pages, offsets)  # the update is [T, kv_heads, ...]: indices go first
+    (k, k_new_scale), (v, v_new_scale) = quantize_kv(k, k_pages.dtype), quantize_kv(v, v_pages.dtype)
+    out = (k_pages.at[at].set(k), v_pages.at[at].set(v))
+    if k_scale is None:
+        return out
+    return out + (k_scale.at[at].set(k_new_scale), v_scale.at[at].set(v_new_scale))

@@ -7,15 +7,20 @@ Attention.
                 cu_q_lens [S + 1], num_seqs [1]
   q, out        VMEM blocks [hb, R, D] of the row layout (`kernel.to_rows`)
   k/v pool      HBM (`pl.ANY`) [layers, kv_heads, num_pages, page_size, D], never sliced outside
-  scratch       k/v buffers [2, hb, C, D] (two slots, C = pages_per_block * page_size), DMA
-                semaphores [2 (k, v), 2 (slot)], m/l [hb, R, 1] and acc [hb, R, D] in float32
+  k/v scales    int8 pools only: HBM [layers, kv_heads, num_pages, page_size] float32, paged
+                like the pool: every page's scales travel with its values
+  scratch       k/v buffers [2, hb, C, D] (two slots, C = pages_per_block * page_size), for int8
+                pools k/v scale buffers [2, hb, C] float32 (keys along the lanes, as the scores
+                hold them), DMA semaphores [pools (k, v[, k_scale, v_scale]), 2 (slot)],
+                m/l [hb, R, 1] and acc [hb, R, D] in float32
 A program loops over the sequences that own a token of its block; for each, over the KV blocks
 its rows can see (causal bound of the block's last token), copying the next block's pages
-(one DMA per page, all hb heads at once) into the other slot while it computes the current one.
+(one DMA per page and pool, all hb heads at once) into the other slot while it computes the
+current one.
 
 KV write: one program; a DMA per token and pool (HBM to HBM) puts the token's [kv_heads, 1, D]
-row at pool[layer, :, page, offset]; all start, then all are awaited. The pools are aliased to
-the outputs, so the update is in place under donation.
+row (for scales [kv_heads, 1]) at pool[layer, :, page, offset]; all start, then all are awaited.
+The pools are aliased to the outputs, so the update is in place under donation.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ def _cdiv(a, b: int):
 
 
 def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,  # SMEM
-                      q_ref, k_hbm, v_hbm, out_ref,
-                      k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
-                      *, group, block_tokens, pages_per_block, pages_per_seq, sm_scale):
+                      q_ref, *refs, group, block_tokens, pages_per_block, pages_per_seq, sm_scale,
+                      num_pools):
+    # refs: the pools in HBM (k, v[, k_scale, v_scale]), out, their VMEM buffers, sems, m, l, acc.
+    hbm, out_ref, bufs = refs[:num_pools], refs[num_pools], refs[num_pools + 1:2 * num_pools + 1]
+    sems, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
     heads_per_block, rows, _ = q_ref.shape
-    page_size = k_hbm.shape[3]
+    page_size = hbm[0].shape[3]
     block_keys = pages_per_block * page_size
     first_head = pl.program_id(0) * heads_per_block
     first_token = pl.program_id(1) * block_tokens
@@ -55,9 +62,9 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
 
         def one_page(j, _):
             page = tables_ref[seq * pages_per_seq + first_page + j]
-            for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+            for kind, (pool, buf) in enumerate(zip(hbm, bufs)):  # [hb, page_size(, D)] each
                 copy = pltpu.make_async_copy(
-                    hbm.at[layer, pl.ds(first_head, heads_per_block), page],
+                    pool.at[layer, pl.ds(first_head, heads_per_block), page],
                     buf.at[slot, :, pl.ds(j * page_size, page_size)], sems.at[kind, slot])
                 copy.start() if action == "start" else copy.wait()
 
@@ -73,9 +80,12 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
         key_valid = (kv_block * block_keys
                      + jax.lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)) < kv_len
         for h in range(heads_per_block):
+            # Scales as [1, C] rows, read in the lane layout they were copied into.
+            scales = {name: buf[slot, pl.ds(h, 1)]
+                      for name, buf in zip(("k_scale", "v_scale"), bufs[2:])}
             m, l, acc = kernel.online_softmax_step(
-                q_ref[h], k_buf[slot, h], v_buf[slot, h], valid, key_valid,
-                m_ref[h], l_ref[h], acc_ref[h], sm_scale=sm_scale)
+                q_ref[h], bufs[0][slot, h], bufs[1][slot, h], valid, key_valid,
+                m_ref[h], l_ref[h], acc_ref[h], sm_scale=sm_scale, **scales)
             m_ref[h], l_ref[h], acc_ref[h] = m, l, acc
 
     def visit_sequence(seq, _):
@@ -110,9 +120,11 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
         out_ref[h] = kernel.finish(l_ref[h], acc_ref[h], out_ref.dtype)
 
 
-def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs, *,
-              group, block_tokens, kv_block_tokens, kv_heads_per_block, sm_scale, interpret):
-    """q_rows [kv_heads, rows, D] (rows a multiple of block_tokens * group) -> out rows, same shape."""
+def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
+              k_scale=None, v_scale=None, *, group, block_tokens, kv_block_tokens,
+              kv_heads_per_block, sm_scale, interpret):
+    """q_rows [kv_heads, rows, D] (rows a multiple of block_tokens * group) -> out rows, same shape.
+    k/v_scale: the int8 pool's scales, or None."""
     kv_heads, num_rows, head_dim = q_rows.shape
     page_size = k_pages.shape[3]
     pages_per_seq = block_tables.shape[1]
@@ -121,18 +133,20 @@ def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
     hb = kv_heads_per_block
     grid = (kv_heads // hb, num_rows // rows)
     row_block = pl.BlockSpec((hb, rows, head_dim), lambda h, i, *_: (h, i, 0))
-    kv_buffer = pltpu.VMEM((2, hb, pages_per_block * page_size, head_dim), k_pages.dtype)
+    block_keys = pages_per_block * page_size
+    pools = [k_pages, v_pages] + ([k_scale, v_scale] if k_scale is not None else [])
+    buffers = [pltpu.VMEM((2, hb, block_keys) + pool.shape[4:], pool.dtype) for pool in pools]
     body = functools.partial(_attention_kernel, group=group, block_tokens=block_tokens,
                              pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-                             sm_scale=sm_scale)
+                             sm_scale=sm_scale, num_pools=len(pools))
     return pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=grid,
-            in_specs=[row_block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[row_block] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
             out_specs=row_block,
-            scratch_shapes=[kv_buffer, kv_buffer, pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=[*buffers, pltpu.SemaphoreType.DMA((len(pools), 2)),
                             pltpu.VMEM((hb, rows, 1), jnp.float32),
                             pltpu.VMEM((hb, rows, 1), jnp.float32),
                             pltpu.VMEM((hb, rows, head_dim), jnp.float32)]),
@@ -140,21 +154,23 @@ def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(layer, block_tables.reshape(-1), kv_lens, cu_q_lens, num_seqs, q_rows, k_pages, v_pages)
+    )(layer, block_tables.reshape(-1), kv_lens, cu_q_lens, num_seqs, q_rows, *pools)
 
 
-def _write_kernel(layer_ref, slots_ref, k_hbm, v_hbm, k_pool_in, v_pool_in, k_pool, v_pool, sems):
-    del k_pool_in, v_pool_in  # aliased to k_pool, v_pool
-    page_size = k_pool.shape[3]
+def _write_kernel(layer_ref, slots_ref, *refs, num_pools):
+    # refs: the new rows (k, v[, k_scale, v_scale]), the pools in (aliased to the pools out, so
+    # unused), the pools out, sems.
+    new_rows, pools, sems = refs[:num_pools], refs[2 * num_pools:3 * num_pools], refs[-1]
+    page_size = pools[0].shape[3]
     shift = page_size.bit_length() - 1  # page_size is a power of two
     layer = layer_ref[0]
-    num_tokens = k_hbm.shape[0]
+    num_tokens = new_rows[0].shape[0]
 
     def copies(t):
         slot = slots_ref[t]
         page, offset = slot >> shift, slot & (page_size - 1)
         return [pltpu.make_async_copy(new.at[t], pool.at[layer, :, page, pl.ds(offset, 1)], sems.at[i])
-                for i, (new, pool) in enumerate(((k_hbm, k_pool), (v_hbm, v_pool)))]
+                for i, (new, pool) in enumerate(zip(new_rows, pools))]
 
     def start(t, _):
         for copy in copies(t):
@@ -168,19 +184,21 @@ def _write_kernel(layer_ref, slots_ref, k_hbm, v_hbm, k_pool_in, v_pool_in, k_po
     jax.lax.fori_loop(0, num_tokens, wait, None)
 
 
-def write_kv(k_pages, v_pages, k, v, layer, slot_mapping, *, interpret):
-    """k/v [T, kv_heads, D] into pool[layer, :, page, offset]; returns the (aliased) pools."""
-    num_tokens, kv_heads, head_dim = k.shape
-    rows = lambda x: x.astype(k_pages.dtype).reshape(num_tokens, kv_heads, 1, head_dim)
+def write_kv(pools, new_rows, layer, slot_mapping, *, interpret):
+    """new_rows (k, v [T, kv_heads, D] in the pools' dtype[, k_scale, v_scale [T, kv_heads]]) into
+    pools (k_pages, v_pages[, k_scale, v_scale]) at [layer, :, page, offset]; returns the
+    (aliased) pools."""
+    n = len(pools)
+    # A token's row as [kv_heads, 1(, D)]: the shape of its window in the pool.
+    rows = [x.reshape(x.shape[0], x.shape[1], 1, *x.shape[2:]) for x in new_rows]
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        _write_kernel,
+        functools.partial(_write_kernel, num_pools=n),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(1,), in_specs=[anywhere] * 4, out_specs=[anywhere] * 2,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
-        out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={4: 0, 5: 1},  # operands: layer, slots, k, v, k_pages, v_pages
+            num_scalar_prefetch=2, grid=(1,), in_specs=[anywhere] * (2 * n), out_specs=[anywhere] * n,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((n,))]),
+        out_shape=tuple(jax.ShapeDtypeStruct(pool.shape, pool.dtype) for pool in pools),
+        input_output_aliases={2 + n + i: i for i in range(n)},  # operands: layer, slots, rows, pools
         interpret=interpret,
         name="write_kv_tpu",
-    )(layer, slot_mapping, rows(k), rows(v), k_pages, v_pages)
+    )(layer, slot_mapping, *rows, *pools)

@@ -97,24 +97,12 @@ class AttentionBackend(Protocol):
         ...
 
 
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448
-
-
-def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
-    """x [T, kv_heads, head_dim] -> (pages' values in `dtype`, scales [T, kv_heads] for int8)."""
-    if dtype == jnp.int8:
-        scale = jnp.maximum(jnp.abs(x).max(axis=-1).astype(jnp.float32), 1e-12) / 127
-        return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
-    if dtype == jnp.float8_e4m3fn:
-        return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(dtype), None
-    return x.astype(dtype), None
-
-
 def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, layer: jax.Array,
              slot_mapping: jax.Array) -> KVPages:
     """Scatters the new K/V [T, kv_heads, head_dim] into `layer`'s pages, in place under donation."""
     pages, offsets = slot_mapping // kv_pages.page_size, slot_mapping % kv_pages.page_size
-    (k, k_scale), (v, v_scale) = quantize_kv(k, kv_pages.k.dtype), quantize_kv(v, kv_pages.v.dtype)
+    # One quantizer for both backends: the kernels package's (the pages' format is its contract).
+    (k, k_scale), (v, v_scale) = rpa.quantize_kv(k, kv_pages.k.dtype), rpa.quantize_kv(v, kv_pages.v.dtype)
     # Index arrays split by a slice put their dimension first: the update is [T, kv_heads, head_dim].
     at = (layer, slice(None), pages, offsets)
     scales = {}
@@ -203,14 +191,16 @@ class XlaPagedAttention:
 class PallasPagedAttention:
     """The Pallas kernels (`pallas_kernels.ragged_paged_attention`): the step's K/V written into the
     pool in place, then one ragged attention call over all the step's tokens. Interpreted on CPU
-    (slow: for tests), compiled on TPU (Mosaic) and GPU (Triton)."""
+    (slow: for tests), compiled on TPU (Mosaic) and GPU (Triton). Reads every pool dtype: the
+    compute dtype, int8 with its scales, float8_e4m3fn."""
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         rows = meta.ragged
-        k_pages, v_pages = rpa.write_kv(kv_pages.k, kv_pages.v, k, v, layer, meta.slot_mapping)
-        out = rpa.ragged_paged_attention(q, k_pages, v_pages, layer, rows.block_tables, rows.kv_lens,
-                                         rows.cu_q_lens, rows.num_rows)
-        return out, KVPages(k=k_pages, v=v_pages)
+        scales = () if kv_pages.k_scale is None else (kv_pages.k_scale, kv_pages.v_scale)
+        kv_pages = KVPages(*rpa.write_kv(kv_pages.k, kv_pages.v, k, v, layer, meta.slot_mapping, *scales))
+        out = rpa.ragged_paged_attention(q, kv_pages.k, kv_pages.v, layer, rows.block_tables, rows.kv_lens,
+                                         rows.cu_q_lens, rows.num_rows, kv_pages.k_scale, kv_pages.v_scale)
+        return out, kv_pages
 
 
 class MeshAttention:
