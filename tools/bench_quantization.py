@@ -32,12 +32,10 @@ CONFIGS = {
 CHUNK = 256
 
 
-def score(model_path, quantization: str, kv_cache_dtype: str, tokens: list[int]):
+def score(model, kv_cache_dtype: str, tokens: list[int]):
     """Teacher-forced logits over `tokens`, a chunk at a time, and the model's weight bytes."""
-    from jaxserve.checkpoint.loader import load_model
     from jaxserve.engine.runner import Runner
 
-    model = load_model(model_path, "float32", quantization=quantization)
     page_size = 16
     runner = Runner(model, pages_per_slice=len(tokens) // page_size + 2, page_size=page_size,
                     max_model_len=len(tokens) + page_size, max_num_seqs=1, max_num_batched_tokens=CHUNK,
@@ -48,15 +46,23 @@ def score(model_path, quantization: str, kv_cache_dtype: str, tokens: list[int])
 def measure(model_path, names: list[str], tokens: list[int]) -> list[dict]:
     import numpy as np
 
+    from jaxserve.checkpoint.loader import load_model
     from jaxserve.evaluation import Agreement
 
-    chunks, _ = score(model_path, *CONFIGS["float32"], tokens)
-    reference = list(chunks)
+    models = {}   # --quantization -> the model, loaded once (the float one serves three configs)
+
+    def scored(name):
+        quantization, kv_cache_dtype = CONFIGS[name]
+        if quantization not in models:
+            models[quantization] = load_model(model_path, "float32", quantization=quantization)
+        return score(models[quantization], kv_cache_dtype, tokens)
+
+    reference = list(scored("float32")[0])
     next_tokens = np.asarray(tokens[1:])
     results = []
     for name in names:
         started = time.perf_counter()
-        chunks, weight_bytes = score(model_path, *CONFIGS[name], tokens)
+        chunks, weight_bytes = scored(name)
         agreement = Agreement()
         for i, (ref, logits) in enumerate(zip(reference, chunks)):
             targets = next_tokens[i * CHUNK:(i + 1) * CHUNK]
