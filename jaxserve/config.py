@@ -55,6 +55,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     rotary_dim: int = 0               # the leading head dims RoPE rotates (0: all; Phi's partial_rotary_factor)
+    sliding_window: int | None = None  # each query sees the last `sliding_window` keys (itself included)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -63,6 +64,8 @@ class ModelConfig:
                  f"num_attention_heads={self.num_heads} must be a multiple of "
                  f"num_key_value_heads={self.num_kv_heads}")
         _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+        _require(self.sliding_window is None or self.sliding_window >= 1,
+                 f"sliding_window={self.sliding_window} must be at least 1 (or none)")
         _require(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim,
                  f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
 
@@ -95,7 +98,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=_context_length(hf),
+            max_position_embeddings=_context_length(hf, family.sliding_window),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
             o_bias=bool(hf.get("attention_bias", False)) and not family.qkv_bias,
@@ -103,16 +106,18 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             rope_scaling=scaling,
             rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
+            sliding_window=(hf.get("sliding_window") or None) if family.sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 
 
-def _context_length(hf: dict[str, Any]) -> int:
-    # Without sliding-window attention, results are exact only within one window: cap there.
+def _context_length(hf: dict[str, Any], sliding_window: bool) -> int:
+    # A family whose windows we do not apply (Qwen2's per-layer `max_window_layers`) is exact
+    # only within one window: cap there.
     length = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window")
-    if window and hf.get("use_sliding_window", True):
+    if window and hf.get("use_sliding_window", True) and not sliding_window:
         length = min(length, window)
     return length
 

@@ -30,6 +30,7 @@ VARIANTS = {
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "smollm2_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12)),   # < the tests' contexts
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
     # LongRoPE past position 64 (the tests decode across it), 12 of 16 head dims rotated

@@ -125,8 +125,9 @@ def _greedy_logits(runner, prompts: dict[str, list[int]], steps: int) -> dict[st
     return {name: np.stack(r) for name, r in rows.items()}
 
 
-def test_pallas_backend_gives_the_xla_logits_on_a_tiny_model(tiny_models):
-    directory, _ = tiny_models("llama")
+@pytest.mark.parametrize("variant", ["llama", "mistral_window"])   # the window (12) < the long prompt
+def test_pallas_backend_gives_the_xla_logits_on_a_tiny_model(variant, tiny_models):
+    directory, _ = tiny_models(variant)
     model = load_model(str(directory), "float32")
     rng = np.random.default_rng(1)
     prompts = {name: rng.integers(0, model.config.vocab_size, n).tolist()

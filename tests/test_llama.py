@@ -34,7 +34,8 @@ def _paged_logits(model, prompt, continuation):
     batch, _ = runner.layout.build(output, runner.bucket_for(output))
     gd = runner.bucket_for(output).num_decode
     batch = batch.replace(logits_index=np.arange(gd, gd + len(prompt), dtype=np.int32))
-    forward = compile_forward(model.graphdef, XlaPagedAttention(runner.layout.pages_per_chunk))
+    forward = compile_forward(model.graphdef, XlaPagedAttention(runner.layout.pages_per_chunk,
+                                                                model.config.sliding_window))
     prefill, runner.kv_pages = forward(model.params, runner.kv_pages, batch)
     decoded = []
     for i, token in enumerate(continuation):
@@ -88,6 +89,21 @@ def test_variants_read_their_family_switches(tiny_models):
     assert qwen3.qk_norm and qwen3.head_dim == 24
     assert load_model(str(tiny_models("smollm2_tied")[0]), "float32").config.tie_word_embeddings
     assert load_model(str(tiny_models("llama3_rope")[0]), "float32").config.rope_scaling.factor == 8.0
+    windowed = load_model(str(tiny_models("mistral_window")[0]), "float32")
+    # the window is applied, so the context is the model's whole one, not capped at the window
+    assert (windowed.config.sliding_window, windowed.config.max_position_embeddings) == (12, 512)
+
+
+def test_the_sliding_window_changes_what_a_query_sees(tiny_models):
+    """The same weights with the window off differ past the window and agree within it."""
+    import dataclasses
+
+    windowed = load_model(str(tiny_models("mistral_window")[0]), "float32")
+    full = dataclasses.replace(windowed, config=dataclasses.replace(windowed.config, sliding_window=None))
+    prompt = list(range(3, 40))
+    a, b = _paged_logits(windowed, prompt, [5])[0], _paged_logits(full, prompt, [5])[0]
+    np.testing.assert_allclose(a[:12], b[:12], atol=1e-5, rtol=0)
+    assert np.abs(a[12:] - b[12:]).max() > 1e-2
 
 
 def test_float16_logits_match_transformers_in_float16(tiny_models):

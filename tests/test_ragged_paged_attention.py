@@ -1,6 +1,6 @@
 """Ragged paged attention: both kernel variants against the jnp reference (pools of the compute
-dtype, int8 with scales, fp8), the reference against dense attention in numpy, write_kv against the
-jnp scatter, and Mosaic/Triton lowerings by export.
+dtype, int8 with scales, fp8, sliding windows), the reference against dense attention in numpy,
+write_kv against the jnp scatter, and Mosaic/Triton lowerings by export.
 
 On CPU both variants run interpreted. With JAXSERVE_PALLAS_INTERPRET=0 the variant of the default
 backend runs compiled instead (tools/gpu_check.sh); interpret-only tests then skip.
@@ -109,8 +109,10 @@ def random_batch(rng, shape: Shape, num_seqs: int, pool: np.ndarray):
             i32(shape.layers - 1), i32(tables), i32(all_kv_lens), i32(cu_q_lens), i32([num_seqs]))
 
 
-def dense_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs):
-    """float64 numpy, one query at a time over its sequence's whole context, gathered densely."""
+def dense_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
+                    sliding_window=None):
+    """float64 numpy, one query at a time over its sequence's whole context (or the last
+    `sliding_window` keys up to its position), gathered densely."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     tokens, heads, head_dim = q.shape
     kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
@@ -125,11 +127,12 @@ def dense_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens
             seen = kv_len - (end - start) + i + 1
             if seen <= 0:
                 continue
+            lo = max(0, seen - sliding_window) if sliding_window else 0
             for h in range(heads):
                 kh = h // (heads // kv_heads)
-                scores = k[:seen, kh] @ q[t, h] * head_dim ** -0.5
+                scores = k[lo:seen, kh] @ q[t, h] * head_dim ** -0.5
                 weights = np.exp(scores - scores.max())
-                out[t, h] = weights @ v[:seen, kh] / weights.sum()
+                out[t, h] = weights @ v[lo:seen, kh] / weights.sum()
     return out
 
 
@@ -161,11 +164,14 @@ def narrow_pool(args, kv_dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
-def batches(shape: Shape, count: int = 4, seed: int = 0, kv_dtype: str | None = None):
+def batches(shape: Shape, count: int = 4, seed: int = 0, kv_dtype: str | None = None,
+            sliding_window: int | None = None):
     """`count` (args, reference out) pairs with 1, 16 and random sequence counts; cached per shape.
-    kv_dtype "int8" | "fp8": over that narrow pool (`narrow_pool`)."""
+    kv_dtype "int8" | "fp8": over that narrow pool (`narrow_pool`). sliding_window: the
+    reference's (the batches themselves do not depend on it)."""
     rng = np.random.default_rng(seed)
-    reference = jax.jit(ragged_paged_attention_reference)
+    reference = jax.jit(functools.partial(ragged_paged_attention_reference,
+                                          sliding_window=sliding_window))
     pool_shape = (shape.layers, shape.kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
     pool = rng.standard_normal((2, *pool_shape)).astype(np.float32)
     result = []
@@ -177,8 +183,9 @@ def batches(shape: Shape, count: int = 4, seed: int = 0, kv_dtype: str | None = 
     return result
 
 
-def run_kernel(platform, shape: Shape, args):
-    return ragged_paged_attention(*args, platform=platform, tuning=shape.tuning, interpret=INTERPRET)
+def run_kernel(platform, shape: Shape, args, **kw):
+    return ragged_paged_attention(*args, platform=platform, tuning=shape.tuning, interpret=INTERPRET,
+                                  **kw)
 
 
 FAST_SHAPES = [
@@ -300,12 +307,83 @@ def test_tpu_dma_schedule_under_the_faithful_interpreter():
         out = ragged_paged_attention(*args, platform="tpu", tuning=SMALL, interpret=params)
         assert_close(out, expected, shape.dtype)
         assert not interpret_pallas_call.races.races_found
+    # A sliding window: each sequence's loop starts at a later block, in slot 0.
+    (args, expected), = batches(shape, count=2, sliding_window=5)[1:]
+    args, poisoned = poison_blocks_before_windows(args, 5)
+    out = ragged_paged_attention(*args, platform="tpu", tuning=SMALL, interpret=params,
+                                 sliding_window=5)
+    assert poisoned > 0 and not np.isnan(np.asarray(out)).any()
+    assert_close(out, expected, shape.dtype)
+    assert not interpret_pallas_call.races.races_found
     slots = jnp.asarray([17, 18, 40, 3, 99], jnp.int32)
     new = jnp.arange(5 * 2 * 64, dtype=jnp.float32).reshape(5, 2, 64)
     write_args = (args[1], args[2], new, -new, jnp.int32(1), slots)
     for got, want in zip(write_kv(*write_args, platform="tpu", interpret=params),
                          write_kv_reference(*write_args)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# (shape, window): SMALL blocks (16 keys) and contexts up to 70, so that most sequences have whole
+# KV blocks before their window; decodes and chunks mixed, and a decode-like batch.
+WINDOW_CASES = [(Shape(9, 3, 64, 8, "float32", SMALL, tokens=48, max_seqs=6, max_kv=70), window)
+                for window in (1, 5, 16)] + [
+    (Shape(8, 2, 128, 16, "bfloat16", SMALL, tokens=12, max_seqs=6, max_kv=70), 5)]
+
+
+def poison_blocks_before_windows(args, window, block_keys=16):
+    """args with NaN in every page of a sequence that lies in a KV block of `block_keys` keys wholly
+    before the window of the sequence's first token: a kernel that loads one returns NaN (junk V
+    rows are zeroed only past kv_len), so this checks that the loops skip them."""
+    q, k_pages, v_pages, layer, tables, kv_lens, cu_q_lens, num_seqs = args
+    k_pages, v_pages = np.array(k_pages, np.float32), np.array(v_pages, np.float32)
+    page_size = k_pages.shape[3]
+    poisoned = 0
+    for s in range(int(num_seqs[0])):
+        first_position = int(kv_lens[s]) - int(cu_q_lens[s + 1] - cu_q_lens[s])
+        first_key = max(0, first_position - window + 1)
+        pages = np.asarray(tables)[s, :first_key // block_keys * block_keys // page_size]
+        k_pages[:, :, pages] = v_pages[:, :, pages] = np.nan
+        poisoned += len(pages)
+    return (q, jnp.asarray(k_pages, q.dtype), jnp.asarray(v_pages, q.dtype), *args[3:]), poisoned
+
+
+@pytest.mark.parametrize("platform", VARIANTS)
+@pytest.mark.parametrize("shape,window", WINDOW_CASES, ids=lambda x: str(x))
+def test_kernel_matches_reference_with_sliding_window(platform, shape, window):
+    """Windows smaller than the contexts; the pages wholly before them are NaN and never read."""
+    poisoned = 0
+    for args, expected in batches(shape, count=3, sliding_window=window):
+        args, count = poison_blocks_before_windows(args, window)
+        poisoned += count
+        out = run_kernel(platform, shape, args, sliding_window=window)
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+        assert_close(out, expected, shape.dtype)
+        assert_blind_rows_zero(out, args)
+    assert poisoned > 0
+
+
+@interpret_only
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_reference_matches_dense_numpy_with_sliding_window(window):
+    """Contexts up to 300 over 64-key scan steps: the windowed scan runs fewer steps than the
+    table has (3 for window 100, against 5), starting per token at its window."""
+    shape = Shape(9, 3, 32, 8, "float32", tokens=48, max_seqs=6, max_kv=300)
+    for args, expected in batches(shape, count=2, sliding_window=window):
+        assert_close(expected, dense_attention(*args, sliding_window=window), "float32")
+        assert_blind_rows_zero(expected, args)
+
+
+def test_sliding_window_is_validated():
+    shape = Shape(8, 2, 64, 16, "float32", tokens=16, max_seqs=3, max_kv=40)
+    args, expected = batches(shape, count=2)[0]
+    for bad in (-1, 2.5, True, "8"):
+        for fn in (ragged_paged_attention, ragged_paged_attention_reference):
+            with pytest.raises(ValueError, match=rf"sliding_window={bad!r} must be None or 0 "
+                                                 r"\(full causal attention\) or an int >= 1"):
+                fn(*args, sliding_window=bad)
+    for full in (0, shape.pages_per_seq * shape.page_size):  # 0, and a window covering the table
+        reference = jax.jit(functools.partial(ragged_paged_attention_reference, sliding_window=full))
+        np.testing.assert_array_equal(reference(*args), expected)
 
 
 @interpret_only
@@ -402,15 +480,17 @@ def export(fn, platform, *args):
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
 
 
-# (model, tokens, pool dtype): every model at decode and prefill sizes; narrow pools at decode.
-LOWERINGS = ([(model, tokens, "auto") for model in MODELS for tokens in (8, 512)]
-             + [(model, 8, kv) for model in ("smollm2", "llama3-8b") for kv in KV_DTYPES])
+# (model, tokens, pool dtype, sliding window): every model at decode and prefill sizes; narrow
+# pools at decode; a sliding window at prefill.
+LOWERINGS = ([(model, tokens, "auto", None) for model in MODELS for tokens in (8, 512)]
+             + [(model, 8, kv, None) for model in ("smollm2", "llama3-8b") for kv in KV_DTYPES]
+             + [("llama3-8b", 512, "auto", 1000)])
 
 
 @interpret_only
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-@pytest.mark.parametrize("model,tokens,kv_dtype", LOWERINGS, ids=lambda x: str(x))
-def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype):
+@pytest.mark.parametrize("model,tokens,kv_dtype,window", LOWERINGS, ids=lambda x: str(x))
+def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype, window):
     heads, kv_heads, head_dim, layers, dtype = MODELS[model]
     seqs, page_size, num_pages, pages_per_seq = 8, 16, 1024, 128
     spec = jax.ShapeDtypeStruct
@@ -424,7 +504,8 @@ def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype):
     write_args = (pool, pool, new_kv, new_kv, i32(), i32(tokens), *scales)
     for tuning in device_tunings(platform):
         kw = dict(platform=platform, tuning=tuning, interpret=False)
-        attention = export(functools.partial(ragged_paged_attention, **kw), platform, *attention_args)
+        attention = export(functools.partial(ragged_paged_attention, sliding_window=window, **kw),
+                           platform, *attention_args)
         written = export(functools.partial(write_kv, **kw), platform, *write_args)
         target = "tpu_custom_call" if platform == "tpu" else "triton"
         assert target in attention.mlir_module() and target in written.mlir_module()

@@ -113,7 +113,9 @@ class Runner:
         self.kv_pages = None   # allocated here, or by `allocate_pool` once its size is known (step_bytes)
         if pages_per_slice is not None:
             self.allocate_pool(pages_per_slice)
-        attention = PallasPagedAttention() if self.attention_backend == "pallas" else XlaPagedAttention(pages_per_chunk)
+        window = model.config.sliding_window
+        attention = (PallasPagedAttention(window) if self.attention_backend == "pallas"
+                     else XlaPagedAttention(pages_per_chunk, window))
         self._batch_sharding = None
         if model.mesh is not None:
             attention = MeshAttention(attention, model.mesh, scaled=kv_pool.is_scaled(self.kv_dtype))

@@ -9,14 +9,15 @@ import dataclasses
 class Family:
     qkv_bias: bool = False  # bias on q/k/v projections even without `attention_bias` (Qwen2)
     qk_norm: bool = False   # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_window: bool = False  # every layer attends within config.sliding_window (Mistral, Phi-3)
 
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),          # Llama 2/3, SmolLM2
-    "MistralForCausalLM": Family(),        # without sliding window
+    "MistralForCausalLM": Family(sliding_window=True),
     "Qwen2ForCausalLM": Family(qkv_bias=True),
     "Qwen3ForCausalLM": Family(qk_norm=True),
-    "Phi3ForCausalLM": Family(),           # fused qkv / gate_up split at load; LongRoPE, partial rotary
+    "Phi3ForCausalLM": Family(sliding_window=True),           # fused qkv / gate_up split at load; LongRoPE, partial rotary
 }
 
 

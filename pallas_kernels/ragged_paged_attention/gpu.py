@@ -11,7 +11,9 @@ A program loops over the sequences owning a row of its block; for each, over KV 
 tokens (C a power of two, independent of the page size): the C keys' pages come from one gather
 of the block table, then one gathered load per pool fetches [C, D] (row i from
 pool[layer, head, page(i), offset(i)]), and one per scale pool the keys' scales as a [1, C] row.
-The online softmax state lives in registers.
+The online softmax state lives in registers. With a sliding window W the KV loop starts at the
+block holding key `first position - W + 1` (the earliest of the program's tokens in the
+sequence): blocks wholly before every row's window are never loaded.
 
 KV write: grid (T // B, kv_heads); each program loads B tokens' [B, D] rows of one head (and
 their [B] scales) and scatters them to pool[layer, head, page, offset] (masked past T); the pools
@@ -31,7 +33,7 @@ from pallas_kernels.ragged_paged_attention import kernel
 
 
 def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, layer_ref, q_ref,
-                      *refs, group, block_keys, sm_scale):
+                      *refs, group, block_keys, sm_scale, sliding_window):
     # refs: k, v[, k_scale, v_scale], out.
     (k_ref, v_ref), scale_refs, out_ref = refs[:2], refs[2:-1], refs[-1]
     rows, head_dim = q_ref.shape
@@ -67,7 +69,8 @@ def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, laye
                                        mask=(keys < kv_len)[None, :], other=0.0)
                       for name, ref in zip(("k_scale", "v_scale"), scale_refs)}
             valid = kernel.visible_mask(row, first_key + block_key, group=group, q_start=q_start,
-                                        q_end=q_end, kv_len=kv_len, row_offset_tokens=0)
+                                        q_end=q_end, kv_len=kv_len, row_offset_tokens=0,
+                                        sliding_window=sliding_window)
             return kernel.online_softmax_step(q, k, v, valid, key_valid, *state, sm_scale=sm_scale,
                                               **scales)
         return step
@@ -77,10 +80,13 @@ def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, laye
 
         def attend(state):
             kv_len = kv_lens_ref[seq]
-            block_last = jnp.minimum(q_end - 1, last_token)
-            keys = jnp.clip(kv_len - (q_end - q_start) + (block_last - q_start) + 1, 0, kv_len)
+            offset = kv_len - (q_end - q_start) - q_start  # position = token + offset
+            keys = jnp.clip(jnp.minimum(q_end - 1, last_token) + offset + 1, 0, kv_len)
             num_blocks = (keys + block_keys - 1) // block_keys
-            return jax.lax.fori_loop(0, num_blocks, kv_step(seq, q_start, q_end, kv_len), state)
+            first_block = kernel.first_visible_block(jnp.maximum(q_start, first_token) + offset,
+                                                     block_keys, sliding_window)
+            return jax.lax.fori_loop(first_block, num_blocks, kv_step(seq, q_start, q_end, kv_len),
+                                     state)
 
         overlaps = (q_start <= last_token) & (q_end > first_token)
         return jax.lax.cond(overlaps, attend, lambda state: state, state)
@@ -93,15 +99,15 @@ def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, laye
 
 def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
               k_scale=None, v_scale=None, *, group, block_rows, kv_block_tokens, sm_scale, num_warps,
-              num_stages, interpret):
+              num_stages, interpret, sliding_window=None):
     """q_rows [kv_heads, rows, D] (rows a multiple of block_rows) -> out rows, same shape.
-    k/v_scale: the int8 pool's scales, or None."""
+    k/v_scale: the int8 pool's scales, or None. sliding_window: static int, or None (causal)."""
     kv_heads, num_rows, head_dim = q_rows.shape
     pools = [k_pages, v_pages] + ([k_scale, v_scale] if k_scale is not None else [])
     whole = pl.no_block_spec
     row_block = pl.BlockSpec((None, block_rows, head_dim), lambda i, h: (h, i, 0))
     body = functools.partial(_attention_kernel, group=group, block_keys=kv_block_tokens,
-                             sm_scale=sm_scale)
+                             sm_scale=sm_scale, sliding_window=sliding_window)
     return pl.pallas_call(
         body,
         grid=(num_rows // block_rows, kv_heads),

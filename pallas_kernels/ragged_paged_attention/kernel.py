@@ -8,7 +8,8 @@ matmul whatever the GQA ratio, and a row's token needs no division: `token >= a`
 
 Mask. Row r of sequence s (tokens cu_q_lens[s]:cu_q_lens[s + 1]) sits at position
 `kv_len - q_len + (token - q_start)` and sees key k iff the row belongs to s, `k < kv_len` and
-`k <= position`; the last is `row >= (k + q_len - kv_len + q_start) * group`.
+`k <= position`; the last is `row >= (k + q_len - kv_len + q_start) * group`. A sliding window
+W adds `k > position - W`, i.e. `row < (k + W + q_len - kv_len + q_start) * group`.
 
 Online softmax. Per row, a running max m, denominator l and accumulator acc (float32). A block
 whose row sees nothing leaves the row untouched; a row that saw nothing ends as 0, never NaN.
@@ -43,17 +44,30 @@ def from_rows(rows: jax.Array, num_tokens: int, heads: int) -> jax.Array:
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, heads, head_dim)
 
 
-def visible_mask(row, key, *, group, q_start, q_end, kv_len, row_offset_tokens):
+def visible_mask(row, key, *, group, q_start, q_end, kv_len, row_offset_tokens,
+                 sliding_window=None):
     """bool [rows, keys]: which (row, key) pairs of one sequence attend.
 
     `row` and `key` are int32 index arrays broadcast to [rows, keys] (row numbering starts at the
-    block's first token `row_offset_tokens`, keys at 0 of the sequence).
+    block's first token `row_offset_tokens`, keys at 0 of the sequence). sliding_window (static
+    int, or None for full causal attention): a row at position p sees only keys > p - window.
     """
     q_len = q_end - q_start
     first = (q_start - row_offset_tokens) * group
     end = (q_end - row_offset_tokens) * group
-    causal = row >= (key + q_len - kv_len + q_start - row_offset_tokens) * group
-    return (row >= first) & (row < end) & (key < kv_len) & causal
+    diagonal = key + q_len - kv_len + q_start - row_offset_tokens  # the token whose position is key
+    mask = (row >= first) & (row < end) & (key < kv_len) & (row >= diagonal * group)
+    if sliding_window:
+        mask &= row < (diagonal + sliding_window) * group
+    return mask
+
+
+def first_visible_block(position, block_keys: int, sliding_window=None):
+    """The first KV block of `block_keys` keys that a row at `position` (or later) can see: 0
+    without a window; blocks wholly before `position - window + 1` are never needed."""
+    if not sliding_window:
+        return jnp.int32(0)
+    return jax.lax.div(jnp.maximum(position - sliding_window + 1, 0), jnp.int32(block_keys))
 
 
 def widen(block, dtype):

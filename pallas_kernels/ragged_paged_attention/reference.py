@@ -10,10 +10,13 @@ Inputs (see `ragged_paged_attention` for the full contract):
   num_seqs      [1] int32               rows s >= num_seqs[0] are junk
   k/v_scale     [layers, kv_heads, num_pages, page_size] float32, int8 pools only (else None)
 
-Algorithm: each token finds its sequence, hence its position and how many keys it sees
-(`min(position + 1, kv_len)`, none for padding). A scan over the table's columns, a few pages a
-step, gathers every token's pages straight from the pool (never a whole layer) and folds them
-into an online softmax in float32, so memory is O(tokens x pages per step), not O(tokens x context).
+Algorithm: each token finds its sequence, hence its position and the keys it sees: up to
+`min(position + 1, kv_len)` (none for padding), and from `position - sliding_window + 1` with a
+window. A scan over the table's columns, a few pages a step, gathers every token's pages straight
+from the pool (never a whole layer) and folds them into an online softmax in float32, so memory is
+O(tokens x pages per step), not O(tokens x context). Each token's scan starts at the step holding
+its first visible key, so with a window the scan takes `(window - 1) // keys_per_step + 2` steps
+at most, however long the contexts.
 
 Narrow pools (`quantize_kv`): int8 values with a float32 scale per token and KV head, read as
 value * scale; float8_e4m3fn values with one implicit scale of 1 (clipped to +-448 on write).
@@ -21,14 +24,35 @@ value * scale; float8_e4m3fn values with one implicit scale of 1 (clipped to +-4
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
 _TOKENS_PER_STEP = 64  # keys gathered per token and scan step
 
 
+def check_sliding_window(sliding_window, max_keys: int | None = None):
+    """The window as the kernels take it: None for full causal attention (None, 0, or a window
+    covering all `max_keys` keys a table can hold), else the int; ValueError otherwise."""
+    integer = isinstance(sliding_window, numbers.Integral) and not isinstance(sliding_window, bool)
+    if sliding_window is not None and (not integer or sliding_window < 0):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or 0 (full causal "
+                         "attention) or an int >= 1")
+    if not sliding_window or (max_keys is not None and sliding_window >= max_keys):
+        return None
+    return int(sliding_window)
+
+
 def visible_keys(cu_q_lens, kv_lens, num_seqs, num_tokens: int):
     """(sequence [T], keys visible [T]) per packed token; padding sees 0 keys."""
+    seq, _, visible = visible_range(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    return seq, visible
+
+
+def visible_range(cu_q_lens, kv_lens, num_seqs, num_tokens: int, sliding_window=None):
+    """(sequence [T], first visible key [T], end [T]) per packed token: token t sees keys
+    first[t] <= key < end[t]; padding sees none (first = end = 0)."""
     num_rows = kv_lens.shape[0]
     n = num_seqs.reshape(())
     # Rows past num_seqs are junk: collapse them onto the batch's end so the starts stay sorted.
@@ -39,27 +63,38 @@ def visible_keys(cu_q_lens, kv_lens, num_seqs, num_tokens: int):
     q_len = cu[seq + 1] - cu[seq]
     position = kv_lens[seq] - q_len + (token - cu[seq])
     visible = jnp.where(in_batch, jnp.clip(position + 1, 0, kv_lens[seq]), 0)
-    return seq, visible
+    if not sliding_window:
+        return seq, jnp.zeros_like(visible), visible
+    return seq, jnp.clip(position - sliding_window + 1, 0, visible), visible
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
                                      num_seqs, k_scale=None, v_scale=None, *, sm_scale=None,
-                                     platform=None, tuning=None, interpret=None):
-    """out [T, heads, head_dim] in q.dtype; `platform`, `tuning`, `interpret` are ignored."""
+                                     sliding_window=None, platform=None, tuning=None,
+                                     interpret=None):
+    """out [T, heads, head_dim] in q.dtype; `platform`, `tuning`, `interpret` are ignored.
+
+    sliding_window: None or 0 for full causal attention, else an int >= 1: the query at position
+    p sees key j iff p - sliding_window < j <= p (and j < kv_len).
+    """
     del platform, tuning, interpret
     num_tokens, heads, head_dim = q.shape
     kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
     group = heads // kv_heads
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     layer = jnp.asarray(layer, jnp.int32).reshape(())
+    table_width = block_tables.shape[1]
+    sliding_window = check_sliding_window(sliding_window, table_width * page_size)
 
-    seq, visible = visible_keys(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    seq, first, visible = visible_range(cu_q_lens, kv_lens, num_seqs, num_tokens, sliding_window)
     pages_per_step = max(1, _TOKENS_PER_STEP // page_size)
-    num_steps = -(-block_tables.shape[1] // pages_per_step)
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_steps * pages_per_step - block_tables.shape[1])))
-    token_tables = tables[seq]  # [T, num_steps * pages_per_step]
-    qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * scale
     keys_per_step = pages_per_step * page_size
+    num_steps = -(-table_width // pages_per_step)
+    if sliding_window:  # a token's keys [first, position] span this many steps at most
+        num_steps = min(num_steps, (sliding_window - 1) // keys_per_step + 2)
+    first_step = first // keys_per_step  # [T]
+    token_tables = block_tables[seq]  # [T, pages_per_seq]
+    qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * scale
 
     def gather(pool, scale, pages):  # pages [T, n] -> [T, kv_heads, n * page_size, head_dim] f32
         blocks = pool[layer, :, pages].astype(jnp.float32)  # [T, n, kv_heads, page_size, head_dim]
@@ -69,9 +104,11 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, k
 
     def step(carry, i):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(token_tables, i * pages_per_step, pages_per_step, axis=1)
-        key = i * keys_per_step + jnp.arange(keys_per_step)
-        valid = key[None, :] < visible[:, None]  # [T, C]
+        column = (first_step + i)[:, None] * pages_per_step + jnp.arange(pages_per_step)  # [T, n]
+        # Columns past the table hold keys >= its capacity >= kv_len: read page 0, masked below.
+        pages = jnp.take_along_axis(token_tables, jnp.minimum(column, table_width - 1), axis=1)
+        key = (first_step + i)[:, None] * keys_per_step + jnp.arange(keys_per_step)  # [T, C]
+        valid = (key >= first[:, None]) & (key < visible[:, None])
         k = gather(k_pages, k_scale, pages)
         v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scale, pages), 0.0)  # junk: inf/NaN
         s = jnp.einsum("tkgd,tkcd->tkgc", qf, k, precision=jax.lax.Precision.HIGHEST)

@@ -14,9 +14,11 @@ Attention.
                 hold them), DMA semaphores [pools (k, v[, k_scale, v_scale]), 2 (slot)],
                 m/l [hb, R, 1] and acc [hb, R, D] in float32
 A program loops over the sequences that own a token of its block; for each, over the KV blocks
-its rows can see (causal bound of the block's last token), copying the next block's pages
-(one DMA per page and pool, all hb heads at once) into the other slot while it computes the
-current one.
+its rows can see, copying the next block's pages (one DMA per page and pool, all hb heads at
+once) into the other slot while it computes the current one. The loop ends at the causal bound
+of the block's last token; with a sliding window W it starts at the block holding key
+`first position - W + 1` (the block's earliest token in the sequence), so pages wholly before
+every row's window are never copied. Slots count from the loop's first block (slot 0).
 
 KV write: one program; a DMA per token and pool (HBM to HBM) puts the token's [kv_heads, 1, D]
 row (for scales [kv_heads, 1]) at pool[layer, :, page, offset]; all start, then all are awaited.
@@ -41,7 +43,7 @@ def _cdiv(a, b: int):
 
 def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,  # SMEM
                       q_ref, *refs, group, block_tokens, pages_per_block, pages_per_seq, sm_scale,
-                      num_pools):
+                      num_pools, sliding_window):
     # refs: the pools in HBM (k, v[, k_scale, v_scale]), out, their VMEM buffers, sems, m, l, acc.
     hbm, out_ref, bufs = refs[:num_pools], refs[num_pools], refs[num_pools + 1:2 * num_pools + 1]
     sems, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
@@ -70,15 +72,17 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
 
         jax.lax.fori_loop(0, count, one_page, None)
 
-    def attend(seq, q_start, q_end, kv_block, slot):
+    def attend(seq, q_start, q_end, kv_block, slot, keys):
         kv_len = kv_lens_ref[seq]
         shape = (rows, block_keys)
         key = kv_block * block_keys + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
         valid = kernel.visible_mask(jax.lax.broadcasted_iota(jnp.int32, shape, 0), key, group=group,
                                     q_start=q_start, q_end=q_end, kv_len=kv_len,
-                                    row_offset_tokens=first_token)
+                                    row_offset_tokens=first_token, sliding_window=sliding_window)
+        # Only keys < `keys` (the block's causal bound, <= kv_len) were copied into this slot;
+        # rows past them hold an earlier block's pages or uninitialised VMEM.
         key_valid = (kv_block * block_keys
-                     + jax.lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)) < kv_len
+                     + jax.lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)) < keys
         for h in range(heads_per_block):
             # Scales as [1, C] rows, read in the lane layout they were copied into.
             scales = {name: buf[slot, pl.ds(h, 1)]
@@ -95,25 +99,28 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
         @pl.when((q_start < first_token + block_tokens) & (q_end > first_token))
         def _():
             kv_len = kv_lens_ref[seq]
-            keys = jnp.clip(kv_len - (q_end - q_start) + (last_token - q_start) + 1, 0, kv_len)
+            offset = kv_len - (q_end - q_start) - q_start  # position = token + offset
+            keys = jnp.clip(last_token + offset + 1, 0, kv_len)
             num_pages = _cdiv(keys, page_size)
             num_blocks = _cdiv(num_pages, pages_per_block)
+            first_block = kernel.first_visible_block(jnp.maximum(q_start, first_token) + offset,
+                                                     block_keys, sliding_window)
 
-            @pl.when(num_blocks > 0)
+            @pl.when(first_block < num_blocks)
             def _():
-                page_copies(seq, 0, 0, num_pages, "start")
+                page_copies(seq, first_block, 0, num_pages, "start")
 
             def kv_step(kv_block, _):
-                slot = jax.lax.rem(kv_block, 2)
+                slot = jax.lax.rem(kv_block - first_block, 2)
 
                 @pl.when(kv_block + 1 < num_blocks)
                 def _():
                     page_copies(seq, kv_block + 1, 1 - slot, num_pages, "start")
 
                 page_copies(seq, kv_block, slot, num_pages, "wait")
-                attend(seq, q_start, q_end, kv_block, slot)
+                attend(seq, q_start, q_end, kv_block, slot, keys)
 
-            jax.lax.fori_loop(0, num_blocks, kv_step, None)
+            jax.lax.fori_loop(first_block, num_blocks, kv_step, None)
 
     jax.lax.fori_loop(0, num_seqs_ref[0], visit_sequence, None)
     for h in range(heads_per_block):
@@ -122,9 +129,9 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
 
 def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
               k_scale=None, v_scale=None, *, group, block_tokens, kv_block_tokens,
-              kv_heads_per_block, sm_scale, interpret):
+              kv_heads_per_block, sm_scale, interpret, sliding_window=None):
     """q_rows [kv_heads, rows, D] (rows a multiple of block_tokens * group) -> out rows, same shape.
-    k/v_scale: the int8 pool's scales, or None."""
+    k/v_scale: the int8 pool's scales, or None. sliding_window: static int, or None (causal)."""
     kv_heads, num_rows, head_dim = q_rows.shape
     page_size = k_pages.shape[3]
     pages_per_seq = block_tables.shape[1]
@@ -138,7 +145,7 @@ def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
     buffers = [pltpu.VMEM((2, hb, block_keys) + pool.shape[4:], pool.dtype) for pool in pools]
     body = functools.partial(_attention_kernel, group=group, block_tokens=block_tokens,
                              pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-                             sm_scale=sm_scale, num_pools=len(pools))
+                             sm_scale=sm_scale, num_pools=len(pools), sliding_window=sliding_window)
     return pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -112,11 +112,12 @@ def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, layer: jax.Array,
 
 
 def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KVPages,
-                 layer: jax.Array, pages_per_chunk: int) -> jax.Array:
+                 layer: jax.Array, pages_per_chunk: int, sliding_window: int | None = None) -> jax.Array:
     """Causal attention of one group's queries to their sequences' pages.
 
     q [G, Q, heads, head_dim], q_pos [G, Q] (-1: padding) -> [G, Q, heads, head_dim] in q's dtype,
-    zeros for padding.
+    zeros for padding. With `sliding_window` W a query at p sees keys p - W + 1 .. p, and chunks
+    before every row's window are never visited.
     """
     num_seqs, q_len, heads, head_dim = q.shape
     kv_heads = kv_pages.k.shape[1]
@@ -136,21 +137,28 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
         k = _gather_pages(kv_pages.k, layer, pages, kv_pages.k_scale)  # [kv_heads, G, C, D]
         v = _gather_pages(kv_pages.v, layer, pages, kv_pages.v_scale)
         s = jnp.einsum("hgqd,hgcd->hgqc", qg, k)
-        visible = i * chunk_len + jnp.arange(chunk_len) <= q_pos  # [1, G, rep*Q, C]
+        key = i * chunk_len + jnp.arange(chunk_len)
+        visible = key <= q_pos  # [1, G, rep*Q, C]
+        if sliding_window:
+            visible &= key > q_pos - sliding_window
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
         p = jnp.exp(s - m_new) * visible
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(axis=-1, keepdims=True)
         # Slots past a sequence's end may hold a failed request's NaN: 0 weight * NaN is NaN.
-        v = jnp.where((i * chunk_len + jnp.arange(chunk_len) <= last_pos)[..., None], v, 0)
+        v = jnp.where((key <= last_pos)[..., None], v, 0)
         acc = acc * correction + jnp.einsum("hgqc,hgcd->hgqd", p, v)
         return m_new, l, acc
 
     stats_shape = (kv_heads, num_seqs, rep * q_len, 1)
     init = (jnp.full(stats_shape, MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape[:-1] + (head_dim,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, group.num_chunks[0], visit_chunk, init)
+    first = 0
+    if sliding_window:   # the chunk holding the earliest key any row's window reaches
+        earliest = jnp.where(q_pos >= 0, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max).min()
+        first = jnp.clip(earliest // chunk_len, 0, group.num_chunks[0])
+    _, l, acc = jax.lax.fori_loop(first, group.num_chunks[0], visit_chunk, init)
     out = acc / jnp.maximum(l, 1e-30)  # all-masked (padding) rows stay 0
     out = out.reshape(kv_heads, num_seqs, rep, q_len, head_dim).transpose(1, 3, 0, 2, 4)
     return out.reshape(num_seqs, q_len, heads, head_dim).astype(q.dtype)
@@ -171,8 +179,9 @@ def _gather_pages(pool: jax.Array, layer: jax.Array, pages: jax.Array, scale: ja
 class XlaPagedAttention:
     """The plain-jnp backend: the default on CPU, and the reference for the Pallas kernels."""
 
-    def __init__(self, pages_per_chunk: int):
+    def __init__(self, pages_per_chunk: int, sliding_window: int | None = None):
         self.pages_per_chunk = pages_per_chunk
+        self.sliding_window = sliding_window
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         kv_pages = write_kv(kv_pages, k, v, layer, meta.slot_mapping)
@@ -183,7 +192,8 @@ class XlaPagedAttention:
             if rows:
                 group_q = q[start:stop].reshape(rows, -1, *q.shape[1:])
                 group_pos = meta.positions[start:stop].reshape(rows, -1)
-                out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk)
+                out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk,
+                                   self.sliding_window)
                 outs.append(out.reshape(-1, *q.shape[1:]))
         return jnp.concatenate(outs), kv_pages
 
@@ -194,12 +204,16 @@ class PallasPagedAttention:
     (slow: for tests), compiled on TPU (Mosaic) and GPU (Triton). Reads every pool dtype: the
     compute dtype, int8 with its scales, float8_e4m3fn."""
 
+    def __init__(self, sliding_window: int | None = None):
+        self.sliding_window = sliding_window
+
     def __call__(self, q, k, v, kv_pages, layer, meta):
         rows = meta.ragged
         scales = () if kv_pages.k_scale is None else (kv_pages.k_scale, kv_pages.v_scale)
         kv_pages = KVPages(*rpa.write_kv(kv_pages.k, kv_pages.v, k, v, layer, meta.slot_mapping, *scales))
         out = rpa.ragged_paged_attention(q, kv_pages.k, kv_pages.v, layer, rows.block_tables, rows.kv_lens,
-                                         rows.cu_q_lens, rows.num_rows, kv_pages.k_scale, kv_pages.v_scale)
+                                         rows.cu_q_lens, rows.num_rows, kv_pages.k_scale, kv_pages.v_scale,
+                                         sliding_window=self.sliding_window)
         return out, kv_pages
 
 
