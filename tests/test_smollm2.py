@@ -40,15 +40,22 @@ def run(engine, prompts, params, stagger=0):
     return [done[i] for i in ids]
 
 
-@pytest.mark.slow
-def test_greedy_tokens_match_transformers_on_the_gguf(engine):
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' float32 SmolLM2 from the same GGUF."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxserve.checkpoint.default_model import default_model_path
 
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers_on_the_gguf(engine, hf):
+    import torch
+
     prompts = anchor_prompts(4)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = run(engine, prompts, [greedy] * 4)
@@ -70,4 +77,28 @@ def test_batching_does_not_change_tokens(engine, sampled):
     alone = [run(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
     batched = run(engine, prompts, params, stagger=2)
     assert batched == alone
+    assert engine.stats().kv_cache_usage == 0
+
+
+@pytest.mark.slow
+def test_beam_search_matches_transformers_num_beams(engine, hf):
+    """vLLM's beam search against transformers' `num_beams` search on the embedded model: 4 beams
+    of a chat reply (none reaches EOS within 12 tokens)."""
+    import torch
+
+    from jaxserve.engine.beam_search import BeamSearchParams
+    from jaxserve.llm import LLM
+
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                                add_generation_prompt=True, tokenize=False)
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    eos = engine.tokenizer.eos_token_id
+    [ours] = LLM.from_engine(engine).beam_search([prompt], BeamSearchParams(4, 12))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, do_sample=False,
+                          max_new_tokens=12, eos_token_id=eos, pad_token_id=0, output_scores=True,
+                          return_dict_in_generate=True)
+    beams = [row[:row.index(eos) + 1] if eos in row else row for row in out.sequences[:, len(prompt):].tolist()]
+    assert [list(b.tokens) for b in ours] == beams
+    np.testing.assert_allclose([b.score(1.0) for b in ours], out.sequences_scores.tolist(), atol=1e-3)
     assert engine.stats().kv_cache_usage == 0

@@ -9,6 +9,8 @@ multi-byte character therefore shows as U+FFFD.
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from collections.abc import Sequence
 
@@ -60,7 +62,7 @@ def echo_logprobs(prompt_token_ids: Sequence[int], entries: Sequence[TokenLogpro
     every prompt token, the first with null logprobs (nothing comes before it), the others with
     the top k at their position."""
     tokens = [texts(t) for t in prompt_token_ids]
-    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    offsets = list(itertools.accumulate(map(len, tokens), initial=0))[:-1]   # each token's start in the text
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=[None if e is None else wire_logprob(e.logprob) for e in entries],
         top_logprobs=[None if e is None else _top_map(TokenLogprob(e.token_id, e.logprob, e.top[:k]), texts)

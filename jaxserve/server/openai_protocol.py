@@ -230,15 +230,14 @@ class _OpenAIRequest(SamplingFields):
 
     def _check_beam_search(self) -> None:
         """What beam search cannot combine with: it returns whole beams, ranked by the model's own logprobs."""
-        changed = [name for name in BEAM_SEARCH_IGNORES if getattr(self, name) not in (None, False, 0, [], (),
-                                                                                   _NEUTRAL.get(name))]
-        for name, given in (("stream", self.stream), ("logprobs", self.num_logprobs() is not None),
-                            ("best_of", self.samples_to_rank() is not None),
-                            ("prompt_logprobs", self.prompt_logprobs is not None),
-                            (self.constraint_field(), self.constraint_field() is not None),
-                            (changed[0] if changed else None, bool(changed))):
-            if given:
-                raise InvalidRequestError(name, f"{name} does not combine with use_beam_search")
+        asked = [name for name, given in (("stream", self.stream), ("logprobs", self.num_logprobs() is not None),
+                                          ("best_of", self.samples_to_rank() is not None),
+                                          ("prompt_logprobs", self.prompt_logprobs is not None)) if given]
+        asked += [self.constraint_field()] if self.constraint_field() is not None else []
+        asked += [name for name in BEAM_SEARCH_IGNORES
+                  if getattr(self, name) not in (None, False, 0, [], (), _NEUTRAL.get(name))]
+        if asked:
+            raise InvalidRequestError(asked[0], f"{asked[0]} does not combine with use_beam_search")
         if not 1 <= (self.n or 1) <= 10:
             raise InvalidRequestError("n", f"n={self.n} beams is out of range for use_beam_search: must be in [1, 10]")
 
