@@ -50,7 +50,6 @@ _AWQ_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # column 8j + k sits in nibble
 @dataclasses.dataclass(frozen=True)
 class Scheme:
     method: str     # compressed-tensors | awq
-    format: str     # compressed-tensors' format; awq: its version
     group_size: int = 0   # AWQ only: compressed-tensors tensors carry their own groups
 
 
@@ -93,7 +92,7 @@ def _compressed_tensors_scheme(qc: dict) -> Scheme:
         if group.get("input_activations"):
             log.info("the checkpoint's %s quantizes activations too; jaxserve computes them in the compute dtype "
                      "(weight-only)", name)
-    return Scheme("compressed-tensors", fmt)
+    return Scheme("compressed-tensors")
 
 
 def _awq_scheme(qc: dict) -> Scheme:
@@ -104,7 +103,7 @@ def _awq_scheme(qc: dict) -> Scheme:
         _refuse("AWQ bits", qc.get("bits", qc.get("w_bit")), (4,))
     if not qc.get("zero_point", True):
         _refuse("AWQ zero_point", False, (True,))
-    return Scheme("awq", version, int(qc.get("group_size", qc.get("q_group_size", 128))))
+    return Scheme("awq", int(qc.get("group_size", qc.get("q_group_size", 128))))
 
 
 def quantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], scheme: Scheme
@@ -166,7 +165,8 @@ def _ct_module(module: str, parts: dict[str, np.ndarray]) -> np.ndarray | Quanti
     if bits == 8:
         if zero.any():
             log.info("%s: asymmetric int8 weights are dequantised at load (jaxserve's int8 is symmetric)", module)
-            return _reference(signed, scale, zero)
+            fmt = WeightFormat("int8", _group(inp, scale), "float32", "asymmetric int8")
+            return QuantizedTensor(fmt, signed, scale, -zero.astype(np.float32) * scale).dequantized()
         return QuantizedTensor(WeightFormat("int8", _group(inp, scale), "float32", "compressed-tensors int8"),
                                np.asarray(signed, np.int8), np.ascontiguousarray(scale))
     return _uint4(signed + 8, scale, zero + 8, "compressed-tensors int4")
@@ -207,10 +207,3 @@ def _scale_rows(scale: np.ndarray, out: int) -> np.ndarray:
 
 def _group(inp: int, scale: np.ndarray) -> int:
     return 0 if scale.shape[1] == 1 else inp // scale.shape[1]
-
-
-def _reference(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
-    """float32 [out, in] = (q - zero) * scale over groups along `in`."""
-    out, inp = q.shape
-    grouped = q.astype(np.float32).reshape(out, scale.shape[1], -1) - zero.astype(np.float32)[:, :, None]
-    return (grouped * scale[:, :, None]).reshape(out, inp)
