@@ -193,6 +193,7 @@ class EngineConfig:
     seed: int = 0                         # seeds requests that give no seed of their own
     enable_prefix_caching: bool = True    # reuse the KV pages of earlier requests' common prefixes
     enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
+    async_scheduling: bool = True         # schedule and launch step N+1 before step N is read back
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
     max_structured_output_bytes: int = 65536   # largest JSON schema, regex, grammar or choice list

@@ -59,6 +59,9 @@ HELP = {
     "seed": "seed of requests that give none",
     "enable_prefix_caching": "reuse cached KV pages of common prompt prefixes",
     "enable_chunked_prefill": "prefill long prompts in chunks over several steps, beside running decodes",
+    "async_scheduling": "schedule and launch each step before the one before it is read back, so the device "
+                        "never waits for the host's bookkeeping (steps are serial while a penalised or "
+                        "structured-output request runs)",
     "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
     "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
     "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices; none: "

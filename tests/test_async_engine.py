@@ -41,13 +41,13 @@ async def collect(stream):
 
 
 def slow_steps(monkeypatch, engine, seconds):
-    execute = engine.runner.execute
+    execute = engine.runner.launch
 
     def slow(output):
         time.sleep(seconds)
         return execute(output)
 
-    monkeypatch.setattr(engine.runner, "execute", slow)
+    monkeypatch.setattr(engine.runner, "launch", slow)
 
 
 async def fill_the_batch(engine) -> list:
@@ -183,7 +183,7 @@ def test_cancelled_consumer_aborts(tiny_engine, monkeypatch):
 
 
 def test_runner_failure_fails_that_request_only(tiny_engine, monkeypatch):
-    execute = tiny_engine.runner.execute
+    execute = tiny_engine.runner.launch
     calls = []
 
     def fail_once(output):
@@ -192,7 +192,7 @@ def test_runner_failure_fails_that_request_only(tiny_engine, monkeypatch):
             raise RuntimeError("device on fire")
         return execute(output)
 
-    monkeypatch.setattr(tiny_engine.runner, "execute", fail_once)
+    monkeypatch.setattr(tiny_engine.runner, "launch", fail_once)
 
     async def scenario(engine):
         with pytest.raises(RequestFailedError, match="device on fire"):

@@ -1,10 +1,13 @@
 """LLMEngine on a tiny random model: requests in, tokens out, bad input refused, pages returned."""
 
+import dataclasses
 import time
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
@@ -225,9 +228,10 @@ def test_non_finite_logits_fail_only_their_request(engine, monkeypatch):
     alone = generate(engine, "a neighbour", greedy)[0].token_ids
     step = engine.runner._step
 
-    def poisoned(params, kv_pages, batch):   # rows sampled at temperature 0.5 get NaN logits
-        samples, prompt, kv_pages = step(params, kv_pages, batch)
-        return samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), prompt, kv_pages
+    def poisoned(params, kv_pages, sampled, batch):   # rows sampled at temperature 0.5 get NaN logits
+        samples, prompt, kv_pages, sampled = step(params, kv_pages, sampled, batch)
+        return (samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), prompt, kv_pages,
+                sampled)
 
     monkeypatch.setattr(engine.runner, "_step", poisoned)
     victim = engine.add_request("the victim", SamplingParams(temperature=0.5, seed=1, max_tokens=6, n=2))
@@ -263,3 +267,167 @@ def test_a_tokenizer_failing_on_one_request_fails_only_it(engine, monkeypatch):
 def test_more_stop_strings_than_allowed_are_refused():
     with pytest.raises(InvalidRequestError, match="stop='17 strings' is out of range: at most 16 stop strings"):
         SamplingParams(stop=[f"s{i}" for i in range(17)])
+
+
+# ---- async scheduling: step N+1 scheduled and launched before step N is read back ----------------
+
+def serial(engine):
+    """The same engine with async scheduling off (restored by the caller's `finally`)."""
+    engine.config = dataclasses.replace(engine.config, async_scheduling=False)
+
+
+def run_streams(engine, requests, abort_at=None):
+    """Runs (prompt, params) requests together; every output seen, by request. `abort_at`: request
+    index -> the step after which it is aborted."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    seen = {i: [] for i in ids}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+        step += 1
+        for index, when in (abort_at or {}).items():
+            if when == step and engine.abort(ids[index]) is not None:
+                seen[ids[index]].append(None)
+    return [seen[i] for i in ids]
+
+
+def final_tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs if o is not None][-1] if any(outputs) else []
+
+
+def test_next_step_is_scheduled_before_the_last_is_read_back(engine, monkeypatch):
+    """A device slowed down by 50 ms a step: each step's schedule runs before the step before is
+    read back, so the host's work overlaps the device's; with async scheduling off it does not."""
+    events = []
+    schedule, collect = engine.scheduler.schedule, engine.runner.collect
+
+    def scheduling():
+        output = schedule()
+        if not output.is_empty:
+            events.append("schedule")
+        return output
+
+    def slow_collect(step):
+        time.sleep(0.05)   # the device still busy with it
+        events.append("read back")
+        return collect(step)
+
+    engine.step()   # reads back a step an earlier test left in flight, if any
+    monkeypatch.setattr(engine.scheduler, "schedule", scheduling)
+    monkeypatch.setattr(engine.runner, "collect", slow_collect)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = engine.config
+    try:
+        generate(engine, [5, 6, 7], params)
+        assert events[:4] == ["schedule", "schedule", "read back", "schedule"]
+        assert events.count("schedule") == events.count("read back") == 6
+        events.clear()
+        serial(engine)
+        generate(engine, [5, 6, 7], params)
+        assert events == ["schedule", "read back"] * 6
+    finally:
+        engine.config = config
+    assert pool_is_full(engine)
+
+
+STOPS = [dict(max_tokens=36), dict(stop_at_token=25), dict(stop_at_text=80), dict(min_tokens=30, stop_at_token=2),
+         dict(max_tokens=33, n=2, seed=4, temperature=0.8)]
+
+
+def test_stops_aborts_and_preemption_under_async_scheduling_equal_serial_steps(engine):
+    """EOS-like stop ids, stop strings, max_tokens, min_tokens, n > 1, an abort and preemption (10
+    requests of up to 88 tokens on a pool of 376): the same tokens and text as serial steps, never
+    a token past the stop in any streamed output, and every page back in the pool."""
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(10)]
+    plain = [generate(engine, p, base)[0] for p in prompts[:len(STOPS)]]
+
+    def params(i):
+        spec = dict(STOPS[i % len(STOPS)])
+        stop_token, stop_text = spec.pop("stop_at_token", None), spec.pop("stop_at_text", None)
+        if stop_token is not None:
+            spec["stop_token_ids"] = [plain[i % len(STOPS)].token_ids[stop_token]]
+        if stop_text is not None:
+            spec["stop"] = [plain[i % len(STOPS)].text[stop_text:stop_text + 3]]
+        return dataclasses.replace(base, **spec)
+
+    requests = [(p, params(i)) for i, p in enumerate(prompts)]
+    config = engine.config
+    preemptions = engine.stats().num_preemptions
+    try:
+        overlapped = run_streams(engine, requests, abort_at={7: 6})
+        assert engine.stats().num_preemptions > preemptions
+        assert pool_is_full(engine)
+        serial(engine)
+        stepped = run_streams(engine, requests, abort_at={7: 6})
+    finally:
+        engine.config = config
+    assert pool_is_full(engine)
+    for i, (a, b) in enumerate(zip(overlapped, stepped)):
+        if i == 7:   # aborted: what it got is a prefix of what it would have made
+            continue
+        assert [(c.token_ids, c.text, c.finish_reason) for c in a[-1].outputs] == \
+               [(c.token_ids, c.text, c.finish_reason) for c in b[-1].outputs]
+        final = a[-1].outputs
+        for streamed in a:
+            for c, last in zip(streamed.outputs, final):
+                assert last.token_ids[:len(c.token_ids)] == c.token_ids and last.text.startswith(c.text)
+    whole = generate(engine, *requests[7])[0].token_ids
+    for aborted in (overlapped[7], stepped[7]):
+        assert aborted[-1] is None and final_tokens(aborted) == whole[:len(final_tokens(aborted))]
+
+
+def test_penalised_requests_run_serial_steps_with_the_same_tokens(engine, monkeypatch):
+    """A running penalised request's next step needs its last token on the host: no step is
+    scheduled ahead while it runs, and its tokens and its neighbour's equal serial steps'."""
+    ahead = []
+    schedules_ahead = engine._schedules_ahead
+    monkeypatch.setattr(engine, "_schedules_ahead", lambda: ahead.append(schedules_ahead()) or ahead[-1])
+    requests = [([3, 1, 4, 1, 5], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                 repetition_penalty=1.3, frequency_penalty=0.5)),
+                ([2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    config = engine.config
+    try:
+        overlapped = [final_tokens(o) for o in run_streams(engine, requests)]
+        assert ahead and not any(ahead[:9])
+        serial(engine)
+        assert [final_tokens(o) for o in run_streams(engine, requests)] == overlapped
+    finally:
+        engine.config = config
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.integers(0, 5), st.integers(0, 12)),
+                min_size=1, max_size=6))
+def test_random_arrivals_aborts_and_lengths_give_each_request_its_own_tokens(engine, specs):
+    """Requests (prompt length, max_tokens, arrival step, abort step or 0) through the async loop:
+    each gets the tokens it gets alone in serial steps; an aborted one, a prefix of them."""
+    alone, config = {}, engine.config
+    try:
+        serial(engine)
+        for length, max_tokens, _, _ in specs:
+            if (length, max_tokens) not in alone:
+                prompt = list(range(50 + length, 50 + 2 * length))
+                alone[length, max_tokens] = generate(engine, prompt, SamplingParams(
+                    temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+    finally:
+        engine.config = config
+    ids, got, step = {}, {}, 0
+    while len(ids) < len(specs) or engine.has_unfinished_requests():
+        for i, (length, max_tokens, arrival, abort) in enumerate(specs):
+            if arrival == step:
+                ids[i] = engine.add_request(list(range(50 + length, 50 + 2 * length)), SamplingParams(
+                    temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            if abort and abort == step and i in ids:
+                engine.abort(ids[i])
+        for out in engine.step():
+            got[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert pool_is_full(engine)
+    for i, (length, max_tokens, arrival, abort) in enumerate(specs):
+        expected, tokens = alone[length, max_tokens], got.get(ids[i], [])
+        if abort and abort >= arrival:
+            assert tokens == expected[:len(tokens)]
+        else:
+            assert tokens == expected

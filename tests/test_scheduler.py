@@ -212,8 +212,8 @@ def uncached_engine(long_tiny):
 def record_steps(engine, monkeypatch):
     """Every SchedulerOutput the engine runs, in order."""
     steps = []
-    execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda output: (steps.append(output), execute(output))[1])
+    execute = engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch", lambda output: (steps.append(output), execute(output))[1])
     return steps
 
 

@@ -197,8 +197,8 @@ def test_unknown_path_and_wrong_method_are_json(server):
 
 
 def test_full_queue_is_503_with_retry_after(server, tiny_engine, monkeypatch):
-    execute = tiny_engine.runner.execute
-    monkeypatch.setattr(tiny_engine.runner, "execute", lambda output: (time.sleep(0.02), execute(output))[1])
+    execute = tiny_engine.runner.launch
+    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output: (time.sleep(0.02), execute(output))[1])
     stats = server.async_engine
 
     async def scenario():
@@ -236,7 +236,7 @@ async def until(condition, timeout=10.0):
 
 
 def test_engine_step_failure_is_500_and_the_next_request_is_served(server, tiny_engine, monkeypatch):
-    execute = tiny_engine.runner.execute
+    execute = tiny_engine.runner.launch
     failures = iter([True, True])
 
     def fail_twice(output):
@@ -244,7 +244,7 @@ def test_engine_step_failure_is_500_and_the_next_request_is_served(server, tiny_
             raise RuntimeError("device on fire")
         return execute(output)
 
-    monkeypatch.setattr(tiny_engine.runner, "execute", fail_twice)
+    monkeypatch.setattr(tiny_engine.runner, "launch", fail_twice)
     body = {"prompt": "x", "max_tokens": 3}
     error = check_error(requests.post(f"{server.url}/v1/completions", json=body, headers=KEY, timeout=30), 500,
                         None, "device on fire")

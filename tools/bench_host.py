@@ -7,7 +7,8 @@ share of wall time the device sat idle waiting for the host.
 
 `--tiny` writes a random Llama checkpoint (4 layers, hidden 256, SmolLM2's tokenizer and 49,152
 token vocabulary) to a temporary folder: its device step is short, as an accelerator's is, so the
-host's share shows. Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
+host's share shows. Each size runs with async scheduling off, then on (`--no-serial`: on only).
+Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
 ignored, greedy); all are queued at once, so `--num-seqs` of them run together. With
 `--structured` each request also has a JSON schema of its own (a string field named after it), and
 the `masks` column shows the host time llguidance spends filling the allowed-token masks.
@@ -68,14 +69,15 @@ def schema(index: int) -> dict:
     return {"type": "object", "properties": {f"note_{index}": {"type": "string"}}, "required": [f"note_{index}"]}
 
 
-def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool):
+def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool,
+        async_scheduling: bool = True):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
     config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=512,
                           max_num_batched_tokens=max(512, num_seqs * 2), kv_cache_gb=1.0,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, async_scheduling=async_scheduling)
     started = time.perf_counter()
     engine = LLMEngine(config, model=loaded)
     startup = time.perf_counter() - started
@@ -91,14 +93,21 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     return times, time.perf_counter() - started, startup, engine.model
 
 
-def report(label: str, num_seqs: int, times, wall: float, startup: float) -> None:
+def report(label: str, num_seqs: int, times, wall: float, startup: float, serial_device: float | None) -> None:
+    """`serial_device`: the seconds the host waited for the device with async scheduling off, the
+    device's busy time; with it on, the rest of the wall time is the device's idle time."""
     by_kind = collections.defaultdict(list)
     for t in times:
         by_kind[t.kind].append(t)
     host = sum(t.host for t in times)
     device = sum(t.device for t in times)
-    print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s (start-up {startup:.1f} s); "
-          f"device idle (waiting for the host) {host / (host + device):.1%} of step time")
+    tokens = sum(t.num_seqs for t in times if t.kind == "decode")
+    if serial_device is None:   # serial steps: the device is idle exactly while the host works
+        idle = f"device idle (waiting for the host) {host / (host + device):.1%} of step time"
+    else:
+        idle = f"device idle ~{max(0.0, 1 - serial_device / wall):.1%} of wall time (busy as in the serial run)"
+    print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s, {tokens / wall:.1f} decode "
+          f"tok/s (start-up {startup:.1f} s); {idle}")
     print(f"  {'kind':8} {'steps':>6} {'seqs':>6} {'schedule':>9} {'masks':>9} {'prepare':>9} {'update':>9} "
           f"{'outputs':>9} {'host':>9} {'device':>9}   (medians, ms)")
     for kind in ("prefill", "mixed", "decode"):
@@ -122,6 +131,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="prompts: the first 32 tokens of each")
     parser.add_argument("--structured", action="store_true", help="a JSON schema per request (see above)")
+    parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
     args = parser.parse_args()
 
     from jaxserve.host_memory import keep_freed_memory
@@ -132,9 +142,15 @@ def main() -> None:
         model = str(write_tiny_model(Path(tmp))) if args.tiny else args.model
         label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")
         loaded = None
+        label += ", a JSON schema each" if args.structured else ""
         for num_seqs in args.num_seqs:
-            times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts, args.structured)
-            report(label + (", a JSON schema each" if args.structured else ""), num_seqs, times, wall, startup)
+            serial_device = None
+            for async_scheduling in (False, True)[args.no_serial:]:
+                times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts,
+                                                   args.structured, async_scheduling)
+                report(f"{label}, async scheduling {'on' if async_scheduling else 'off'}", num_seqs, times, wall,
+                       startup, serial_device)
+                serial_device = sum(t.device for t in times)
 
 
 if __name__ == "__main__":

@@ -2,28 +2,33 @@
 
     LLMEngine.add_request(prompt, SamplingParams)
         tokenises, checks lengths, creates one `Request` per sample (n), queues them
-    LLMEngine.step()
+    LLMEngine.step()           launches step N+1 (the first three below), then reads step N back
+                               (the rest): async scheduling, so the device runs N+1 meanwhile
         Scheduler.schedule()   picks this step's sequences and how many tokens each computes,
                                under max_num_seqs and max_num_batched_tokens; running requests
                                first, then waiting ones by rank (arrival, or priority); long
                                prompts in chunks; cached prefixes taken from the PageAllocator,
                                which gives pages (copying shared ones before they are written),
-                               preempting the worst-ranked request if none are free
+                               preempting the worst-ranked request if none are free; counts the
+                               chunks as computed and their samples as placeholders
                                -> one SchedulerOutput
         Grammars.fill_masks()  constrained samples (structured outputs, structured_output.py):
                                llguidance fills each one's allowed-token bitmask, in parallel;
                                the SchedulerOutput carries them (token_masks)
-        Runner.execute()       picks the smallest compiled shape (bucket) that holds the step
+        Runner.launch()        picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
                                4, ... prefill segments: ~12 programs), builds its padded arrays
                                (batch.py) and calls the jitted
-                               step(params, kv_pages, batch) -> (tokens, prompt logprobs,
-                               kv_pages), kv_pages donated: model forward over the paged KV
+                               step(params, kv_pages, sampled, batch) -> (tokens, prompt
+                               logprobs, kv_pages, sampled), kv_pages donated, without waiting:
+                               placeholders take their ids from the step before's tokens
+                               (`sampled`, on the device), model forward over the paged KV
                                pool, then sampling (the masks first, then bias, penalties,
                                temperature, truncation), and for prompt_logprobs requests the
                                logprob of each prompt token (prompt_logprobs.py; skipped by
                                steps without them)
-        Scheduler.update()     advances each request, registers its full pages in the prefix
+        Runner.collect()       waits for step N's tokens
+        Scheduler.update()     registers each request's full pages (to its chunk's end) in the prefix
                                cache, appends its token, forks the other samples of a prompt,
                                finishes and frees the pages of requests that hit EOS, a stop id
                                or max_tokens

@@ -8,6 +8,8 @@ Logit rows, `S = Gd + Gp`: one per decode slot, then one per prefill sequence th
 Prompt rows, `T`: the packed index of each prompt token scored for prompt_logprobs and the prompt
 token it predicts, sequence after sequence (`prompt_rows` says whose), then padding (target -1).
 Padding tokens sit at position -1 and write their K/V into the reserved page 0.
+A placeholder token (async scheduling: the sample of the step launched before, still on the
+device) has token id 0 and, in `placeholder_rows`, the logit row of that step that sampled it.
 
 Over D data slices, each slice's sequences are laid out as above in the same bucket, with page ids
 local to the slice, and the D layouts are concatenated on every array's leading axis (the mesh
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -36,6 +39,8 @@ class StepInput:
     sampling: SamplingTensors      # [S] rows
     prompt_index: np.ndarray       # [T] int32: packed index of each prompt token scored (prompt_logprobs)
     prompt_target: np.ndarray      # [T] int32: the prompt token it predicts; -1: padding
+    placeholder_rows: np.ndarray   # [T] int32: the previous step's logit row whose sample is this
+                                   # token (a placeholder); -1: token_ids holds it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +77,28 @@ class BatchLayout:
     def num_chunks(self, kv_len: int) -> int:
         return math.ceil(kv_len / (self.pages_per_chunk * self.page_size))
 
-    def build(self, output: SchedulerOutput, bucket: Bucket,
-              num_slices: int = 1) -> tuple[StepInput, list[ScheduledSequence | None]]:
+    def build(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1,
+              previous_rows: Mapping[str, int] | None = None) -> tuple[StepInput, list[ScheduledSequence | None]]:
         """Arrays for `bucket` in each of `num_slices` slices, and the sequence sampled at each
-        logit row (None: padding)."""
+        logit row (None: padding). `previous_rows`: the logit row of each sequence sampled by the
+        step launched before, for the placeholders."""
+        previous_rows = previous_rows or {}
         if num_slices == 1:
-            return self._build_slice(output.sequences, bucket, output.token_masks)
+            return self._build_slice(output.sequences, bucket, output.token_masks, previous_rows)
         by_slice = [[] for _ in range(num_slices)]
         for s in output.sequences:
             by_slice[s.data_slice].append(s)
         slice_tokens = bucket.num_tokens(self.segment)
         inputs, rows = [], []
         for i, sequences in enumerate(by_slice):
-            step, slice_rows = self._build_slice(sequences, bucket, output.token_masks)
+            step, slice_rows = self._build_slice(sequences, bucket, output.token_masks, previous_rows)
             inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens,
                                        prompt_index=step.prompt_index + i * slice_tokens))
             rows += slice_rows
         return jax.tree.map(lambda *parts: np.concatenate(parts), *inputs), rows
 
-    def _build_slice(self, sequences, bucket: Bucket,
-                     token_masks) -> tuple[StepInput, list[ScheduledSequence | None]]:
+    def _build_slice(self, sequences, bucket: Bucket, token_masks,
+                     previous_rows: Mapping[str, int]) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
         num_tokens = bucket.num_tokens(seg)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -102,6 +109,7 @@ class BatchLayout:
         logits_index = np.zeros(gd + gp, np.int32)
         prompt_index = np.zeros(num_tokens, np.int32)
         prompt_target = np.full(num_tokens, -1, np.int32)
+        placeholder_rows = np.full(num_tokens, -1, np.int32)
         scored = 0   # prompt rows filled
         rows: list[ScheduledSequence | None] = [None] * (gd + gp)
         next_prefill_row = gd
@@ -119,6 +127,10 @@ class BatchLayout:
                 next_prefill_row += s.samples
             chunks.append((int(at[0]), s.num_tokens, s.start_position + s.num_tokens, table))
             token_ids[at] = s.token_ids
+            if s.placeholder:
+                if s.request_id not in previous_rows:
+                    raise ValueError(f"{s.request_id} has a placeholder, but the step before did not sample it")
+                placeholder_rows[at[0]] = previous_rows[s.request_id]
             positions[at] = pos
             slots[at] = table[pos // ps] * ps + pos % ps
             if s.samples:
@@ -132,7 +144,8 @@ class BatchLayout:
         attention = AttentionMetadata(positions=positions, slot_mapping=slots,
                                       decode=decode.group(), prefill=prefill.group(), ragged=ragged)
         sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width, token_masks)
-        return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target), rows
+        return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target,
+                         placeholder_rows), rows
 
     def prompt_rows(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1) -> list[tuple[str, int, int]]:
         """(sequence id, position, prompt row) of each prompt token `build` lays out for scoring."""

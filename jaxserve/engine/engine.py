@@ -1,10 +1,18 @@
 """`LLMEngine`: requests in, one step at a time, outputs back.
 
-`step()` is the whole loop: the scheduler picks this step's sequences and token counts, the
-constrained ones get their allowed-token masks, the runner computes them on the device and
-samples, the scheduler advances the requests and frees the pages of finished ones, the
-constrained samples' grammars take their tokens, and each sample's text is extended (stop
-strings applied).
+`step()` is the whole loop: the scheduler picks a step's sequences and token counts, the
+constrained ones get their allowed-token masks, the runner launches it on the device; then the
+step before is read back: the scheduler advances its requests and frees the pages of finished
+ones, the constrained samples' grammars take their tokens, and each sample's text is extended
+(stop strings applied).
+
+Async scheduling (vLLM's `--async-scheduling`, on by default): step N+1 is scheduled and launched
+before step N is read back, so the device runs N+1 while the host does N's bookkeeping. Each
+sequence N samples for counts as a placeholder, whose id step N+1 reads on the device. A request
+that N ends (EOS, a stop id or string, a grammar's end) has one more token computed in N+1, and
+dropped; one that N's token ends by length is not scheduled again. While a running request's next
+step needs its last token on the host (penalties read the token history, a grammar fills its mask
+from it), steps are serial.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
 from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
-from jaxserve.engine.runner import Followers, Runner
+from jaxserve.engine.runner import Followers, LaunchedStep, Runner
 from jaxserve.engine.sampler import row_seed
 from jaxserve.engine.structured_output import Grammars, pack_tokens
 from jaxserve.engine.scheduler import SchedulerConfig
@@ -57,22 +65,34 @@ class EngineStats:
 
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
-    """Where one step's wall time went, in seconds (`LLMEngine.step_observer`). The loop is serial:
-    the device waits while the host schedules, prepares, updates and makes outputs."""
+    """Where one step's host time went, in seconds (`LLMEngine.step_observer`). Under async
+    scheduling the device runs the step before (schedule, masks, prepare) or the step after
+    (update, outputs) meanwhile; `device` is the time the host waited for this step's tokens."""
 
     kind: str          # "decode" (every sequence computes one token), "prefill" (none does), "mixed"
     num_seqs: int
     num_tokens: int
     schedule: float    # Scheduler.schedule
     masks: float       # the constrained sequences' allowed-token masks (structured outputs)
-    prepare: float     # page copies launched, the step's host arrays built
-    device: float      # the step's arrays sent, the step run, its tokens read back
+    prepare: float     # page copies launched, the step's host arrays built and sent, the step launched
+    device: float      # waiting for its tokens to come back
     update: float      # Scheduler.update: requests advanced, pages cached and freed
     outputs: float     # detokenising, stop strings, RequestOutputs
 
     @property
     def host(self) -> float:
         return self.schedule + self.masks + self.prepare + self.update + self.outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launched:
+    """A step scheduled and launched (or failed to launch), not read back yet."""
+
+    output: SchedulerOutput
+    step: LaunchedStep | None
+    error: Exception | None
+    schedule_s: float
+    masks_s: float
 
 
 def _step_kind(output: SchedulerOutput) -> str:
@@ -169,6 +189,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self.step_observer: Callable[[StepTimes], None] | None = None   # told each step's StepTimes
+        self._in_flight: _Launched | None = None   # async scheduling: the step launched, not read back
         log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s), from %s", num_slices, pages - 1,
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
                  * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name,
@@ -308,16 +329,42 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling + device step; outputs of the requests that moved forward."""
+        """Reads one step back (launching it first if none is in flight), after launching the next
+        one under async scheduling; outputs of the requests that moved forward."""
+        current, self._in_flight = self._in_flight or self._launch(), None
+        if current is None:
+            return []
+        if self._schedules_ahead():
+            self._in_flight = self._launch()
+        return self._read_back(current)
+
+    def _schedules_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the current one is read back: not while a
+        running request's next token depends on its last one on the host (penalties, grammars)."""
+        return self.config.async_scheduling and not any(
+            r.params.penalizes or r.request_id in self._matchers for r in self.scheduler.running)
+
+    def _launch(self) -> _Launched | None:
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
-            return []
+            return None
         scheduled = time.perf_counter()
         output = self._with_token_masks(output)
         masked = time.perf_counter()
         try:
-            result = self.runner.execute(output)
+            step, error = self.runner.launch(output), None
+        except Exception as failure:  # noqa: BLE001 - one bad step must not take the engine down
+            step, error = None, failure
+        return _Launched(output, step, error, scheduled - started, masked - scheduled)
+
+    def _read_back(self, launched: _Launched) -> list[RequestOutput]:
+        output = launched.output
+        if launched.error is not None:
+            return self._fail_step(output, launched.error)
+        waiting = time.perf_counter()
+        try:
+            result = self.runner.collect(launched.step)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
             return self._fail_step(output, error)
         executed = time.perf_counter()
@@ -329,10 +376,10 @@ class LLMEngine:
         updated = time.perf_counter()
         results += self._outputs({r.request_id for r in advanced}, sampled, logprobs)
         if self.step_observer is not None:
-            prepare = self.runner.last_prepare_s
+            prepare = launched.step.prepare_s
             self.step_observer(StepTimes(
                 _step_kind(output), len(output.sequences), sum(s.num_tokens for s in output.sequences),
-                scheduled - started, masked - scheduled, prepare, executed - masked - prepare,
+                launched.schedule_s, launched.masks_s, prepare, executed - waiting,
                 updated - executed, time.perf_counter() - updated))
         return results
 
@@ -423,8 +470,9 @@ class LLMEngine:
         log.exception("engine step failed: %s", error)
         failed = {s.request_id for s in output.sequences}
         pool_lost = self.runner.pool_is_lost()
-        if pool_lost:
+        if pool_lost:   # every running request's K/V is gone, and a step in flight read the lost pool
             failed |= {r.request_id for r in self.scheduler.running}
+            self._in_flight = None
             self.runner.reset_pool()
         results = self._fail_requests(failed, f"engine step failed: {type(error).__name__}: {error}")
         if pool_lost:

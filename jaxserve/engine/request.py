@@ -29,6 +29,11 @@ class Request:
 
     There is no prefill or decode phase: a new request has everything to compute, a decoding one
     has exactly one token (its last sample) left.
+
+    Under async scheduling that last sample may still be on the device: a step that samples it
+    has been launched and not read back. It counts as a placeholder (`num_placeholders`: one per
+    such step, so at most one when a step is scheduled): it is part of `num_tokens`, and the next
+    step takes its id from the device.
     """
 
     request_id: str
@@ -42,7 +47,8 @@ class Request:
     first_scheduled_time: float | None = None   # monotonic: first admitted to the running batch
     num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at first admission
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0   # counted when a step is scheduled (its K/V is written by then)
+    num_placeholders: int = 0       # sampled by a launched step, not read back yet
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_index: int = 0          # set by the scheduler: its order of arrival
@@ -52,7 +58,26 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, outputs and placeholders."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and outputs: the tokens whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs and placeholders: the index of the next token sampled."""
+        return len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def placeholder_finishes(self) -> bool:
+        """Its placeholder, once read back, ends it by length (max_tokens or the context)."""
+        p = self.params
+        return self.num_placeholders > 0 and (
+            (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens)
+            or self.num_tokens >= self.max_total_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -69,8 +94,8 @@ class Request:
 
     def page_hashes(self, page_size: int) -> list[bytes]:
         """Prefix-cache hashes of the full pages of prompt + output (grown as tokens arrive)."""
-        if len(self._page_hashes) < self.num_tokens // page_size:
-            page_hashes(self.token_slice(0, self.num_tokens), page_size, self._page_hashes)
+        if len(self._page_hashes) < self.num_known_tokens // page_size:
+            page_hashes(self.token_slice(0, self.num_known_tokens), page_size, self._page_hashes)
         return self._page_hashes
 
     @property
@@ -82,12 +107,14 @@ class Request:
         self.finish_reason = reason
 
     def append_token(self, token: int) -> None:
-        """Records a sampled token and finishes the request if it is a stopping one."""
+        """Records a sampled token (in place of its placeholder, if it has one) and finishes the
+        request if it is a stopping one."""
+        self.num_placeholders = max(0, self.num_placeholders - 1)
         self.output_token_ids.append(token)
         num_out = len(self.output_token_ids)
         p = self.params
         if num_out >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.finish(FinishReason.STOP)
-        elif (p.max_tokens is not None and num_out >= p.max_tokens) or self.num_tokens >= self.max_total_tokens:
+        elif (p.max_tokens is not None and num_out >= p.max_tokens) or self.num_known_tokens >= self.max_total_tokens:
             self.finish(FinishReason.LENGTH)

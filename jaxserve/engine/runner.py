@@ -85,6 +85,19 @@ class Followers(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step on its way through the device: `Runner.collect` reads it back."""
+
+    output: SchedulerOutput
+    bucket: Bucket
+    batch: StepInput                        # its host arrays
+    rows: list[ScheduledSequence | None]    # the sequence sampled at each logit row
+    samples: object                         # Samples, on the device
+    prompt: object                          # PromptLogprobs, on the device
+    prepare_s: float                        # seconds to launch it: page copies, host arrays, sending them
+
+
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     tokens: dict[str, int]                  # sampled, for each sequence whose chunk reached its end
     logprobs: dict[str, TokenLogprob]       # of those tokens, where the params ask for them
@@ -124,7 +137,11 @@ class Runner:
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
-        self.last_prepare_s = 0.0   # the last execute's seconds before the device call (copies, host arrays)
+        # The last step's sampled tokens stay on the device for the next step's placeholders:
+        # `_sampled` holds them in its first rows, `_sampled_rows` says whose they are.
+        self._num_rows = max(b.num_decode + b.num_segments for b in self.buckets) * self.num_slices
+        self._sampled = self._new_sampled()
+        self._sampled_rows: dict[str, int] = {}
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
         return smallest_bucket(self.buckets, self.layout.needs(output, self.num_slices))
@@ -145,7 +162,7 @@ class Runner:
         pool = kv_pool.abstract(self.model.config, self.layout.table_width + 1, self.page_size, self.kv_dtype,
                                 self.model.mesh)
         batch, _ = self.layout.build(SchedulerOutput(()), self.buckets[-1], self.num_slices)
-        compiled = self._step.lower(self.model.params, pool, self._place(batch)).compile()
+        compiled = self._step.lower(self.model.params, pool, self._sampled, self._place(batch)).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -157,7 +174,7 @@ class Runner:
             compiles = [pool.submit(self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile)]
             for bucket in self.buckets:
                 batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-                compiles.append(pool.submit(self._step.lower(self.model.params, self.kv_pages,
+                compiles.append(pool.submit(self._step.lower(self.model.params, self.kv_pages, self._sampled,
                                                              self._place(batch)).compile))
             for i, compiled in enumerate(concurrent.futures.as_completed(compiles[1:])):
                 compiled.result()
@@ -165,15 +182,21 @@ class Runner:
                     progress(i + 1, len(self.buckets))
             compiles[0].result()
 
-    def execute(self, output: SchedulerOutput) -> StepResult:
-        """Runs one step (see StepResult)."""
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Starts one step on the device and returns without waiting for it. Its placeholders take
+        their ids from the step launched before."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
-        batch, rows = self.layout.build(output, bucket, self.num_slices)
-        self.last_prepare_s = time.perf_counter() - started
+        batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows)
         samples, prompt = self._run_step(batch, bucket)
-        samples = jax.device_get(samples)
+        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None}
+        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started)
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Waits for a launched step and reads its tokens back (see StepResult)."""
+        output, bucket, batch, rows = step.output, step.bucket, step.batch, step.rows
+        samples, prompt = jax.device_get(step.samples), step.prompt
         tokens, logprobs, non_finite = {}, {}, set()
         for i, seq in enumerate(rows):
             if seq is None:
@@ -239,8 +262,17 @@ class Runner:
         if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
                                       tuple(map(Array.of, jax.tree.leaves(batch)))))
-        samples, prompt, self.kv_pages = self._step(self.model.params, self.kv_pages, self._place(batch))
+        samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
+                                                                   self._place(batch))
         return samples, prompt
+
+    def _new_sampled(self):
+        """Zeros, placed as the pool is (uncommitted without a mesh: a committed argument would
+        commit the step's outputs, and the pool would no longer match the programs compiled)."""
+        sampled = jax.numpy.zeros(self._num_rows, np.int32)
+        if self.model.mesh is None:
+            return sampled
+        return jax.device_put(sampled, NamedSharding(self.model.mesh, jax.sharding.PartitionSpec()))
 
     def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
         if self.followers is not None:
@@ -288,7 +320,9 @@ class Runner:
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages))
 
     def reset_pool(self) -> None:
+        """A new, empty pool (and no placeholders to read) after a failed step lost the old one."""
         self._tell_followers(ResetPool())
+        self._sampled, self._sampled_rows = self._new_sampled(), {}
         k = self.kv_pages.k
         self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2] // self.num_slices, k.shape[3],
                                          self.kv_dtype, self.model.mesh)

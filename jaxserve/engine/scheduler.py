@@ -128,8 +128,8 @@ class Scheduler:
         copies: dict[str, list[tuple[int, int]]] = {}
         preempted: list[str] = []
         for request in sorted(self.running, key=self.rank):
-            if request not in self.running:
-                continue  # preempted to make room for a better-ranked one
+            if request not in self.running or request.placeholder_finishes:
+                continue  # preempted to make room for a better-ranked one, or ends when read back
             num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
             if num_tokens == 0:
                 break
@@ -155,8 +155,18 @@ class Scheduler:
             scheduled[request.request_id] = (request, num_tokens)
             budget -= self.config.chunk_cost(num_tokens)
         self._age_waiting()
-        return SchedulerOutput(tuple(self._describe(r, n) for r, n in scheduled.values()), tuple(preempted),
-                               tuple(c for cs in copies.values() for c in cs))
+        sequences = tuple(self._describe(r, n) for r, n in scheduled.values())
+        for request, num_tokens in scheduled.values():
+            self._commit(request, num_tokens)
+        return SchedulerOutput(sequences, tuple(preempted), tuple(c for cs in copies.values() for c in cs))
+
+    @staticmethod
+    def _commit(request: Request, num_tokens: int) -> None:
+        """Counts a scheduled chunk as computed, and its sample, if it makes one, as a placeholder:
+        so the next step can be scheduled before this one is read back (async scheduling)."""
+        request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_placeholders += 1
 
     def _has_seats_for(self, request: Request) -> bool:
         """Room in max_num_seqs for `request`, its forks, and the forks of running requests."""
@@ -212,6 +222,7 @@ class Scheduler:
         self.running.remove(request)
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
+        request.num_placeholders = 0   # its launched sample is dropped when read back, and made again
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.counters.num_preemptions += 1
@@ -220,16 +231,22 @@ class Scheduler:
         start = request.num_computed_tokens
         p = request.params
         penalizes = p.penalizes
-        suppress = len(request.output_token_ids) < p.min_tokens
+        suppress = request.num_output_tokens < p.min_tokens
+        # A placeholder is only ever a decode's one token; its id is read on the device (0 here).
+        placeholder = request.num_placeholders > 0
+        if placeholder and (num_tokens != 1 or penalizes):
+            raise AssertionError(f"{request.request_id}: a placeholder in a {num_tokens}-token chunk"
+                                 f"{' of a penalised request' if penalizes else ''}")
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=tuple(request.token_slice(start, start + num_tokens)),
+            token_ids=(0,) if placeholder else tuple(request.token_slice(start, start + num_tokens)),
             start_position=start,
             block_table=tuple(self.allocator.block_table(request.request_id)),
             samples=start + num_tokens == request.num_tokens,
             params=p,
             seed=request.seed,
-            num_output_tokens=len(request.output_token_ids),
+            num_output_tokens=request.num_output_tokens,
+            placeholder=placeholder,
             prompt_token_ids=request.prompt_token_ids if penalizes else (),
             output_token_ids=request.output_token_ids if penalizes else (),
             suppressed_token_ids=(*(() if p.ignore_eos else request.eos_token_ids), *p.stop_token_ids)
@@ -242,17 +259,17 @@ class Scheduler:
     # ---- after the step -------------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances every scheduled request by its chunk, registers its full pages in the prefix
-        cache, appends its sampled token, forks its samples, retires the finished. Returns the
-        requests that received a token."""
+        """After a step is read back: registers each scheduled request's full pages up to its chunk's
+        end in the prefix cache, appends its sampled token, forks its samples, retires the finished.
+        Returns the requests that received a token. A request that finished, was aborted or was
+        preempted after the step was launched is no longer running, and its token is dropped."""
         by_id = {r.request_id: r for r in self.running}
         advanced = []
         for seq in output.sequences:
             request = by_id.get(seq.request_id)
             if request is None:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += seq.num_tokens
-            self._cache_computed_pages(request)
+                continue  # finished, aborted or preempted since the step was launched
+            self._cache_computed_pages(request, seq.start_position + seq.num_tokens)
             if not seq.samples:
                 continue
             request.append_token(sampled[seq.request_id])
@@ -263,11 +280,13 @@ class Scheduler:
                 self.allocator.free(request.request_id)
         return advanced
 
-    def _cache_computed_pages(self, request: Request) -> None:
+    def _cache_computed_pages(self, request: Request, computed: int) -> None:
+        """Pages wholly inside the first `computed` tokens: those a step read back has written.
+        (A later step may be in flight: its pages wait for its own update.)"""
         if self.allocator.enable_caching:
             page_size = self.allocator.page_size
-            self.allocator.cache_pages(request.request_id, request.page_hashes(page_size),
-                                       request.num_computed_tokens // page_size)
+            hashes = request.page_hashes(page_size)
+            self.allocator.cache_pages(request.request_id, hashes, min(computed // page_size, len(hashes)))
 
     def _fork_samples(self, first: Request) -> None:
         """The other samples of `first`'s prompt start running, on its prompt pages."""

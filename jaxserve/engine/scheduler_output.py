@@ -26,6 +26,8 @@ class ScheduledSequence:
     data_slice: int = 0           # which data-parallel slice (and its part of the KV pool) runs it
     prompt_targets: tuple[int, ...] = ()   # prompt_logprobs: the prompt token each of the first tokens
                                            # predicts (token j's is the prompt's token at position + 1)
+    placeholder: bool = False     # its one token is the sample of the step launched before this one,
+                                  # not read back yet: the step takes its id on the device
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,19 +23,26 @@ def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.Sta
     return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention)
 
 
-def step(graphdef, attention, params, kv_pages, batch: StepInput) -> tuple[Samples, PromptLogprobs, KVPages]:
-    """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages)."""
+def step(graphdef, attention, params, kv_pages, sampled: jax.Array,
+         batch: StepInput) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
+    """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages, sampled).
+
+    `sampled` [R] int32 holds the tokens of the step before in its first rows; placeholders read
+    their ids from it, so the host never waits for them, and it comes back with this step's."""
     model = nnx.merge(graphdef, params)
-    x, kv_pages = model.hidden_states(batch.token_ids, kv_pages, batch.attention, attention)
+    rows = batch.placeholder_rows
+    token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
+    x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention)
     samples = sample(model.logits(x, batch.logits_index), batch.sampling)
     prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
-    return samples, prompt, kv_pages
+    return samples, prompt, kv_pages, sampled.at[:samples.tokens.shape[0]].set(samples.tokens)
 
 
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
-    """`step(params, kv_pages, batch)` jitted with the pool donated: written in place, never copied.
-    On a mesh the samples are replicated, so that every process holds all of them."""
-    out_shardings = None if mesh is None else (NamedSharding(mesh, P()), NamedSharding(mesh, P()), None)
+    """`step(params, kv_pages, sampled, batch)` jitted with the pool donated: written in place,
+    never copied. On a mesh the samples are replicated, so that every process holds all of them."""
+    replicated = None if mesh is None else NamedSharding(mesh, P())
+    out_shardings = None if mesh is None else (replicated, replicated, None, replicated)
     return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,), out_shardings=out_shardings)
 
 
