@@ -334,9 +334,17 @@ class LLMEngine:
         current, self._in_flight = self._in_flight or self._launch(), None
         if current is None:
             return []
-        if self._schedules_ahead():
+        if current.error is None and self._schedules_ahead():   # a failed launch sampled nothing to read
             self._in_flight = self._launch()
-        return self._read_back(current)
+        return self._read_back(current) + self._drain_if_idle()
+
+    def _drain_if_idle(self) -> list[RequestOutput]:
+        """Reads back the step in flight when every request it computes for has ended, so that an
+        idle engine holds no step and the next request's first step is its own."""
+        if self._in_flight is None or self._groups:
+            return []
+        leftover, self._in_flight = self._in_flight, None
+        return self._read_back(leftover)
 
     def _schedules_ahead(self) -> bool:
         """Whether the next step may be scheduled before the current one is read back: not while a
