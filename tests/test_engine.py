@@ -1,5 +1,6 @@
 """LLMEngine on a tiny random model: requests in, tokens out, bad input refused, pages returned."""
 
+import contextlib
 import dataclasses
 import time
 
@@ -271,9 +272,15 @@ def test_more_stop_strings_than_allowed_are_refused():
 
 # ---- async scheduling: step N+1 scheduled and launched before step N is read back ----------------
 
+@contextlib.contextmanager
 def serial(engine):
-    """The same engine with async scheduling off (restored by the caller's `finally`)."""
-    engine.config = dataclasses.replace(engine.config, async_scheduling=False)
+    """The same engine with async scheduling off, inside the block."""
+    config = engine.config
+    engine.config = dataclasses.replace(config, async_scheduling=False)
+    try:
+        yield
+    finally:
+        engine.config = config
 
 
 def run_streams(engine, requests, abort_at=None):
@@ -317,17 +324,13 @@ def test_next_step_is_scheduled_before_the_last_is_read_back(engine, monkeypatch
     monkeypatch.setattr(engine.scheduler, "schedule", scheduling)
     monkeypatch.setattr(engine.runner, "collect", slow_collect)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    config = engine.config
-    try:
+    generate(engine, [5, 6, 7], params)
+    assert events[:4] == ["schedule", "schedule", "read back", "schedule"]
+    assert events.count("schedule") == events.count("read back") == 6
+    events.clear()
+    with serial(engine):
         generate(engine, [5, 6, 7], params)
-        assert events[:4] == ["schedule", "schedule", "read back", "schedule"]
-        assert events.count("schedule") == events.count("read back") == 6
-        events.clear()
-        serial(engine)
-        generate(engine, [5, 6, 7], params)
-        assert events == ["schedule", "read back"] * 6
-    finally:
-        engine.config = config
+    assert events == ["schedule", "read back"] * 6
     assert pool_is_full(engine)
 
 
@@ -353,16 +356,12 @@ def test_stops_aborts_and_preemption_under_async_scheduling_equal_serial_steps(e
         return dataclasses.replace(base, **spec)
 
     requests = [(p, params(i)) for i, p in enumerate(prompts)]
-    config = engine.config
     preemptions = engine.stats().num_preemptions
-    try:
-        overlapped = run_streams(engine, requests, abort_at={7: 6})
-        assert engine.stats().num_preemptions > preemptions
-        assert pool_is_full(engine)
-        serial(engine)
+    overlapped = run_streams(engine, requests, abort_at={7: 6})
+    assert engine.stats().num_preemptions > preemptions
+    assert pool_is_full(engine)
+    with serial(engine):
         stepped = run_streams(engine, requests, abort_at={7: 6})
-    finally:
-        engine.config = config
     assert pool_is_full(engine)
     for i, (a, b) in enumerate(zip(overlapped, stepped)):
         if i == 7:   # aborted: what it got is a prefix of what it would have made
@@ -387,14 +386,10 @@ def test_penalised_requests_run_serial_steps_with_the_same_tokens(engine, monkey
     requests = [([3, 1, 4, 1, 5], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                  repetition_penalty=1.3, frequency_penalty=0.5)),
                 ([2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
-    config = engine.config
-    try:
-        overlapped = [final_tokens(o) for o in run_streams(engine, requests)]
-        assert ahead and not any(ahead[:9])
-        serial(engine)
+    overlapped = [final_tokens(o) for o in run_streams(engine, requests)]
+    assert ahead and not any(ahead[:9])
+    with serial(engine):
         assert [final_tokens(o) for o in run_streams(engine, requests)] == overlapped
-    finally:
-        engine.config = config
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -403,16 +398,13 @@ def test_penalised_requests_run_serial_steps_with_the_same_tokens(engine, monkey
 def test_random_arrivals_aborts_and_lengths_give_each_request_its_own_tokens(engine, specs):
     """Requests (prompt length, max_tokens, arrival step, abort step or 0) through the async loop:
     each gets the tokens it gets alone in serial steps; an aborted one, a prefix of them."""
-    alone, config = {}, engine.config
-    try:
-        serial(engine)
+    alone = {}
+    with serial(engine):
         for length, max_tokens, _, _ in specs:
             if (length, max_tokens) not in alone:
                 prompt = list(range(50 + length, 50 + 2 * length))
                 alone[length, max_tokens] = generate(engine, prompt, SamplingParams(
                     temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
-    finally:
-        engine.config = config
     ids, got, step = {}, {}, 0
     while len(ids) < len(specs) or engine.has_unfinished_requests():
         for i, (length, max_tokens, arrival, abort) in enumerate(specs):
