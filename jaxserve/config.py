@@ -7,6 +7,7 @@ fields of `EngineConfig` one to one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from typing import Any
@@ -162,6 +163,58 @@ def parse_size(text: str, name: str) -> int:
     return int(float(match[1]) * scale)
 
 
+SPECULATIVE_METHODS = ("ngram",)   # see jaxserve.engine.ngram_proposer
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config`: propose `num_speculative_tokens` tokens per decoding sequence
+    and verify them in the next step (speculative decoding).
+
+    ngram (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens (prompt_lookup_max >= n >= prompt_lookup_min, longest first). Speculation pauses in
+    a step of more than `disable_by_batch_size` sequences, where verifying costs more than it saves.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self):
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative_config method={self.method!r} is not one of {SPECULATIVE_METHODS}")
+        _require(1 <= self.num_speculative_tokens <= 16,
+                 f"speculative_config num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"speculative_config prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                 f"{self.prompt_lookup_max} must satisfy 1 <= min <= max")
+        _require(self.disable_by_batch_size >= 1,
+                 f"speculative_config disable_by_batch_size={self.disable_by_batch_size} must be >= 1")
+
+    @classmethod
+    def parse(cls, given: "SpeculativeConfig | dict | str") -> "SpeculativeConfig":
+        """From a config, a dict or vLLM's JSON text; an unknown key names the known ones."""
+        if isinstance(given, cls):
+            return given
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config={given!r} is not JSON: {error}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"speculative_config={given!r} must be a JSON object")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(given) - set(known))
+        _require(not unknown, f"speculative_config has unknown keys {unknown}; known: {known}")
+        for key, value in given.items():
+            kind = str if key == "method" else int
+            _require(isinstance(value, kind) and not isinstance(value, bool),
+                     f"speculative_config {key}={value!r} must be {'a string' if kind is str else 'an integer'}")
+        return cls(**given)
+
+
 PIPELINE_ADVICE = ("jaxserve splits a model over devices by tensor parallelism; give --tensor-parallel-size "
                    "(or --mesh DxM) across a host's devices, with --num-processes for several hosts")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -194,6 +247,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse the KV pages of earlier requests' common prefixes
     enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
     async_scheduling: bool = True         # schedule and launch step N+1 before step N is read back
+    speculative_config: SpeculativeConfig | None = None   # vLLM's: speculative decoding (also a dict or
+                                          # its JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}')
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
     max_structured_output_bytes: int = 65536   # largest JSON schema, regex, grammar or choice list
@@ -266,6 +321,8 @@ class EngineConfig:
                  f"for a channel anyone who reaches it can read and drive")
         _require(self.max_structured_output_bytes >= 1,
                  f"max_structured_output_bytes={self.max_structured_output_bytes} must be >= 1")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if isinstance(self.max_model_len, str):
             object.__setattr__(self, "max_model_len", parse_size(self.max_model_len, "max_model_len"))
         self._resolve_mesh()

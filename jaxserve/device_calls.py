@@ -46,6 +46,7 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     num_decode: int            # the step's bucket
     num_segments: int
     leaves: tuple[Array, ...]  # the StepInput's arrays in pytree order
+    decode_len: int = 1
 
 
 class CopyPages(msgspec.Struct, tag="copy", frozen=True):

@@ -25,7 +25,7 @@ import jax
 
 from jaxserve import compile_cache, distributed
 from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                             PIPELINE_ADVICE, EngineConfig, parse_mesh, parse_size)
+                             PIPELINE_ADVICE, EngineConfig, SpeculativeConfig, parse_mesh, parse_size)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -62,6 +62,9 @@ HELP = {
     "async_scheduling": "schedule and launch each step before the one before it is read back, so the device "
                         "never waits for the host's bookkeeping (steps are serial while a penalised or "
                         "structured-output request runs)",
+    "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+                          "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M, \"disable_by_batch_size\": B} "
+                          "(defaults 4, 4, 1, 8; no drafts in steps of more than B sequences)",
     "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
     "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
     "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices; none: "
@@ -104,7 +107,15 @@ def _size(name: str):
     return parse
 
 
-TYPES = {"max_model_len": _size("max_model_len"), "kv_cache_memory_bytes": _size("kv_cache_memory_bytes")}
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+TYPES = {"max_model_len": _size("max_model_len"), "kv_cache_memory_bytes": _size("kv_cache_memory_bytes"),
+         "speculative_config": _speculative_config}
 NARGS = {"served_model_name": "+"}
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,

@@ -1,7 +1,8 @@
 """Run by tests/test_sharding.py in a fresh process with 8 host devices: for each mesh, the paged
-logits of one prompt (prefill, then greedy decode steps) and the engine's greedy and seeded tokens.
+logits of one prompt (prefill, then greedy decode steps), and with --engine the engine's greedy
+and seeded tokens, with --speculative those of an engine with n-gram speculation and without.
 
-    python tests/mesh_worker.py MODEL_DIR_OR_- OUT.npz 1x1,1x2,2x4 [--engine]
+    python tests/mesh_worker.py MODEL_DIR_OR_- OUT.npz 1x1,1x2,2x4 [--engine] [--speculative]
 """
 
 import sys
@@ -81,7 +82,26 @@ def engine_tokens(model, mesh: str) -> np.ndarray:
     return np.array([done[i] + [-1] * (16 - len(done[i])) for i in ids])   # -1: a constrained sample ended
 
 
-def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str) -> None:
+def speculative_tokens(model, mesh: str) -> np.ndarray:
+    """[2 engines, 8 requests, 24 tokens]: without and with n-gram speculation, copy-heavy prompts
+    over the data slices, greedy and seeded; then the tokens accepted with speculation."""
+    copy = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3
+    tokens = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+                                        max_model_len=128, speculative_config=spec), model=model)
+        ids = [engine.add_request(copy[i:] + [i], SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True,
+                                                                 logit_bias={10: 6.0, 11: 6.0}))
+               for i in range(4) for t in (0.0, 0.8)]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        tokens.append([done[i] for i in ids])
+    return np.array(tokens), np.array(engine.stats().spec_decode_num_accepted_tokens)
+
+
+def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str,
+         speculative: bool = False) -> None:
     results = {}
     for mesh in meshes.split(","):
         model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh), quantization)
@@ -91,10 +111,14 @@ def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization:
         results[f"formats_{mesh}"] = np.array(sorted(f.name for f in model.formats.values()))
         if with_engine:
             results[f"tokens_{mesh}"] = engine_tokens(model, mesh)
+        if speculative and mesh != "1x1":   # each mesh against itself without drafts
+            results[f"speculative_{mesh}"], results[f"accepted_{mesh}"] = speculative_tokens(model, mesh)
     np.savez(out, **results)
 
 
 if __name__ == "__main__":
-    flags = dict(zip(sys.argv[4::2], sys.argv[5::2])) if "--engine" not in sys.argv else {}
+    switches = {"--engine", "--speculative"}
+    rest = [arg for arg in sys.argv[4:] if arg not in switches]
+    flags = dict(zip(rest[::2], rest[1::2]))
     main(sys.argv[1], sys.argv[2], sys.argv[3], "--engine" in sys.argv, flags.get("--quantization", "auto"),
-         flags.get("--kv-cache-dtype", "auto"))
+         flags.get("--kv-cache-dtype", "auto"), "--speculative" in sys.argv)

@@ -45,9 +45,16 @@ def test_stale_nan_in_reused_pages_reaches_no_one(backend):
     check_against_dense_attention(backend, 9, 3, 4, 0, stale=np.nan)
 
 
-def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, stale=None):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_decode_slots_with_speculative_drafts_match_dense_attention(backend, seed):
+    check_against_dense_attention(backend, 8, 2, 4, seed, max_drafts=4)
+
+
+def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, stale=None, max_drafts=0):
     """Random ragged sequences over a pool whose slots they do not fill hold random values, or
-    `stale`; the result must be dense attention's."""
+    `stale`; the result must be dense attention's. With `max_drafts`, short chunks are decodes
+    with speculative drafts, in decode slots of 1 + max_drafts tokens."""
     rng = np.random.default_rng(seed)
     dim, num_pages, segment = 16, 256, 8
     layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64,
@@ -60,7 +67,8 @@ def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, sta
     layer = 1
     sequences, new_q, new_k, new_v, expected = [], [], [], [], []
     for i in range(int(rng.integers(1, 7))):
-        q_len = int(rng.choice([1, 1, 3, 8, 21]))
+        q_len = int(rng.choice([1, 1, 3, 8, 21] + [2, 3, 5] * (max_drafts > 0)))
+        drafts = (0,) * (q_len - 1) if q_len <= 1 + max_drafts else ()
         kv_len = q_len + int(rng.integers(0, 40))
         table = [int(free_pages.pop()) for _ in range(-(-kv_len // page_size))]
         k = rng.normal(size=(kv_len, kv_heads, dim)).astype(np.float32)
@@ -70,12 +78,12 @@ def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, sta
             k_pool[layer, :, table[pos // page_size], pos % page_size] = k[pos]
             v_pool[layer, :, table[pos // page_size], pos % page_size] = v[pos]
         sequences.append(ScheduledSequence(f"s{i}", (0,) * q_len, kv_len - q_len, tuple(table), True,
-                                           SamplingParams(), 0, 0))
+                                           SamplingParams(), 0, 0, draft_token_ids=drafts))
         new_q.append(q), new_k.append(k[kv_len - q_len:]), new_v.append(v[kv_len - q_len:])
         expected.append(dense_reference(q, k, v))
     output = SchedulerOutput(tuple(sequences))
     need = layout.needs(output)
-    bucket = Bucket(need.num_decode + 2, need.num_segments + 1)   # padded rows must change nothing
+    bucket = Bucket(need.num_decode + 2, need.num_segments + 1, need.decode_len)   # padded rows change nothing
     batch, _ = layout.build(output, bucket)
     positions = batch.attention.positions
     packed = np.flatnonzero(positions >= 0)
@@ -97,10 +105,10 @@ def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, sta
 
 def _packed_order(batch, output, layout, bucket):
     """Packed index of every real token, in sequence order (decodes first in the packed layout)."""
-    order, decode, next_token = [], 0, bucket.num_decode
+    order, decode, next_token = [], 0, bucket.num_decode * bucket.decode_len
     for s in output.sequences:
-        if s.num_tokens == 1:
-            order.append(decode)
+        if s.num_tokens == 1 or s.draft_token_ids:
+            order.extend(range(decode * bucket.decode_len, decode * bucket.decode_len + s.num_tokens))
             decode += 1
         else:
             order.extend(range(next_token, next_token + s.num_tokens))

@@ -21,7 +21,7 @@ def request(name, prompt_len, max_tokens=3, n=1):
 
 def run_step(s, token=7):
     out = s.schedule()
-    return out, s.update(out, {q.request_id: token for q in out.sequences if q.samples})
+    return out, s.update(out, {q.request_id: (token,) for q in out.sequences if q.samples})
 
 
 def test_requests_go_to_the_least_loaded_slice_and_stay_there():

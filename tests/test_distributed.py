@@ -2,6 +2,7 @@
 processes with 4 host devices each serving one 2x4 mesh."""
 
 import dataclasses
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,8 @@ SMALL_ENGINE = {**TINY_ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 WORDS = {"regex": "[a-z]+( [a-z]+){0,6}"}   # a constraint: the masks go to the follower too
+COPY = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3 + [10, 11]   # the tiny model copies: drafts are kept
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'   # the served processes speculate
 
 
 FINGERPRINT = {"config.max_num_seqs": "4", "weights": "3 arrays"}
@@ -212,11 +215,12 @@ def _serve_command(directory, port: int, coordinator: str, process_id: int, cach
     return [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
             "--mesh", "2x4", "--coordinator-address", coordinator, "--num-processes", "2",
             "--distributed-key-dir", str(keys),
-            "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache]
+            "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache,
+            "--speculative-config", NGRAM]
 
 
-def _greedy_tokens(url: str, prompt: str, **extra) -> list[int]:
-    reply = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+def _greedy_tokens(url: str, prompt: str | list[int], max_tokens: int = 8, **extra) -> list[int]:
+    reply = requests.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                                    "ignore_eos": True, **extra}, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["outputs"][0]["token_ids"]
@@ -229,6 +233,7 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
     ids.append(engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                              structured_outputs=StructuredOutputsParams(**WORDS))))
+    ids.append(engine.add_request(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
     expected = {}
     while engine.has_unfinished_requests():
         expected.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
@@ -242,7 +247,11 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     try:
         wait_until_healthy(url, processes[0], timeout=600)
         assert [_greedy_tokens(url, p) for p in PROMPTS] + [
-            _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS)] == [expected[i] for i in ids]
+            _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS),
+            _greedy_tokens(url, COPY, max_tokens=30)] == [expected[i] for i in ids]
+        metrics = requests.get(f"{url}/metrics", timeout=10).text
+        accepted = re.search(r"^jaxserve:spec_decode_num_accepted_tokens_total\{.*\} (\S+)$", metrics, re.M)
+        assert float(accepted[1]) > 0, "drafts were kept: steps of 1 + K tokens went to the follower"
 
         stream = requests.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 100,
                                                               "ignore_eos": True, "stream": True},

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -23,7 +24,7 @@ def request(name, prompt_len, max_tokens=4):
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    scheduler.update(out, {s.request_id: token for s in out.sequences if s.samples})
+    scheduler.update(out, {s.request_id: (token,) for s in out.sequences if s.samples})
     return out
 
 
@@ -306,3 +307,72 @@ def test_preempted_requests_finish_with_the_tokens_of_a_large_pool(long_tiny, un
         k: v.outputs[0].token_ids for k, v in expected.items()}
     assert all(re.fullmatch("[a-z]+( [a-z]+)* ?", got[str(i)].outputs[0].text) for i in range(0, 32, 4))
     assert small.stats().kv_cache_usage == 0
+
+
+# ---- speculative decoding (n-gram) -------------------------------------------------------------
+
+def speculating(**config):
+    return make(page_size=2, speculative=SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2),
+                **config)
+
+
+def repeating(name, max_tokens=10):
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    return Request(name, prompt, SamplingParams(max_tokens=max_tokens), seed=0,
+                   max_total_tokens=len(prompt) + max_tokens)
+
+
+def test_a_decode_gets_the_ngram_drafts_and_keeps_the_run_its_samples_confirm():
+    s = speculating()
+    s.add(repeating("r"))
+    run_step(s, token=4)                          # prefill; "1 2 3 4" recurs: drafts 1 2 3 follow
+    out = s.schedule()
+    (seq,) = out.sequences
+    assert (seq.token_ids, seq.draft_token_ids, seq.start_position) == ((4, 1, 2, 3), (1, 2, 3), 7)
+    assert len(seq.block_table) == 6              # room for all 11 tokens
+    advanced = s.update(out, {"r": (1, 2, 9)})    # drafts 1, 2 confirmed, then 9 instead of 3
+    request = s.running[0]
+    assert advanced == {request: (1, 2, 9)}
+    assert request.output_token_ids == [4, 1, 2, 9]
+    assert request.num_computed_tokens == 10      # the prompt, 4, and the confirmed 1 2; 9 is next
+    assert s.counters.spec_decode_num_accepted_tokens == 2
+    assert s.counters.spec_decode_num_accepted_tokens_per_pos == [1, 1, 0]
+
+
+def test_rejected_drafts_return_their_pages():
+    s = speculating()
+    s.add(repeating("r"))
+    run_step(s, token=4)
+    free = s.allocator.num_free_pages
+    out = s.schedule()
+    assert s.allocator.num_free_pages == free - 2  # pages for 11 tokens where 8 needed 4
+    s.update(out, {"r": (9,)})                    # the first draft is wrong: only the sample counts
+    assert s.allocator.num_free_pages == free - 1  # 9 tokens: the 5th page stays, the 6th returns
+    assert s.running[0].num_computed_tokens == 8
+    assert (s.counters.spec_decode_num_drafts, s.counters.spec_decode_num_draft_tokens,
+            s.counters.spec_decode_num_accepted_tokens) == (1, 3, 0)
+
+
+def test_no_drafts_beside_a_prefill_above_the_batch_cut_off_or_past_max_tokens():
+    s = speculating()
+    s.add(repeating("a"))
+    run_step(s, token=4)
+    s.add(Request("new", [20, 21, 22, 23, 24], SamplingParams(max_tokens=4), seed=0, max_total_tokens=9))
+    assert not any(q.draft_token_ids for q in run_step(s, token=4).sequences)   # a prefill is in the step
+    s.add(repeating("b"))
+    s.add(repeating("c"))
+    run_step(s, token=4)
+    assert len(run_step(s, token=4).sequences) == 4 and not s.counters.spec_decode_num_drafts
+    t = speculating()
+    t.add(repeating("short", max_tokens=3))
+    run_step(t, token=4)
+    (seq,) = t.schedule().sequences
+    assert seq.draft_token_ids == (1,)            # 1 output; a draft and one more reach max_tokens=3
+
+
+def test_drafts_only_where_pages_are_free():
+    s = speculating(num_pages=5)                  # 4 usable pages of 2 tokens: the 8 tokens fill them
+    s.add(repeating("r"))
+    run_step(s, token=4)
+    (seq,) = s.schedule().sequences
+    assert seq.draft_token_ids == () and s.num_preemptions == 0

@@ -52,6 +52,17 @@ def test_max_model_len_takes_vllm_sizes(text, length):
     assert parse_args(["--max-model-len", text])[0].max_model_len == length
 
 
+def test_speculative_config_takes_vllms_json_and_a_toml_table(tmp_path, capsys):
+    engine, _ = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert (engine.speculative_config.method, engine.speculative_config.num_speculative_tokens) == ("ngram", 3)
+    config = tmp_path / "engine.toml"
+    config.write_text('[speculative_config]\nmethod = "ngram"\nprompt_lookup_max = 5\n')
+    assert parse_args(["--config", str(config)])[0].speculative_config.prompt_lookup_max == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", '{"method": "medusa"}'])
+    assert "method='medusa' is not one of" in capsys.readouterr().err
+
+
 def test_served_model_name_takes_aliases():
     assert parse_args(["--served-model-name", "a", "b"])[1].served_model_name == ("a", "b")
     assert parse_args(["--served-model-name", "a"])[1].served_model_name == "a"

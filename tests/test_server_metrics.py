@@ -22,6 +22,9 @@ NAMES = {
     "jaxserve:request_prompt_tokens": "histogram", "jaxserve:request_generation_tokens": "histogram",
     "jaxserve:request_params_n": "histogram", "jaxserve:request_params_max_tokens": "histogram",
     "jaxserve:iteration_tokens_total": "histogram", "jaxserve:cache_config_info": "gauge",
+    "jaxserve:spec_decode_num_drafts": "counter", "jaxserve:spec_decode_num_draft_tokens": "counter",
+    "jaxserve:spec_decode_num_accepted_tokens": "counter",
+    "jaxserve:spec_decode_num_accepted_tokens_per_pos": "counter",
 }
 
 
@@ -108,12 +111,18 @@ def test_gauges_follow_the_running_batch(server, tiny_engine, monkeypatch):
 
 def test_engine_counters_are_read_from_its_stats(server, monkeypatch):
     stats = dataclasses.replace(server.async_engine.stats, num_preemptions=3, prefix_cache_queries=700,
-                                prefix_cache_hits=512)
+                                prefix_cache_hits=512, spec_decode_num_drafts=40, spec_decode_num_draft_tokens=160,
+                                spec_decode_num_accepted_tokens=70, spec_decode_num_accepted_tokens_per_pos=(30, 20, 15, 5))
     monkeypatch.setattr(server.async_engine, "stats", stats)
     samples = scrape(server)
     assert value(samples, "jaxserve:num_preemptions_total") == 3
     assert value(samples, "jaxserve:prefix_cache_queries_total") == 700
     assert value(samples, "jaxserve:prefix_cache_hits_total") == 512
+    assert value(samples, "jaxserve:spec_decode_num_drafts_total") == 40
+    assert value(samples, "jaxserve:spec_decode_num_draft_tokens_total") == 160
+    assert value(samples, "jaxserve:spec_decode_num_accepted_tokens_total") == 70
+    assert [value(samples, "jaxserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(4)] == [30, 20, 15, 5]
 
 
 def test_prefix_cache_counters_move_with_a_repeated_prompt(server, tiny_engine):

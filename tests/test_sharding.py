@@ -100,17 +100,22 @@ def test_padded_heads_give_the_same_attention_output():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heads, kv_heads, hidden, meshes", [
-    (8, 2, 64, "1x1,2x4"),            # data slices, KV heads replicated 2x
+    (8, 2, 64, "1x1,2x4"),            # data slices, KV heads replicated 2x; and speculation on 2x4
     (9, 3, 72, "1x1,1x2,2x1,1x8"),    # 9/3 heads padded to 12/4 for 2 ways, 24/8 for 8 (SmolLM2: 2x4)
 ])
 def test_logits_agree_across_meshes(heads, kv_heads, hidden, meshes, tmp_path, smollm2_tokenizer):
     write_tiny_model(tmp_path / "model", "llama", smollm2_tokenizer, num_attention_heads=heads,
                      num_key_value_heads=kv_heads, hidden_size=hidden)
-    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes)
+    speculative = "2x4" in meshes
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes,
+                         *["--speculative"] * speculative)
     for mesh in meshes.split(",")[1:]:
         np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
         assert results[f"heads_{mesh}"][1] % int(mesh.split("x")[1]) == 0
         assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
+    if speculative:   # the same tokens with n-gram drafts as without, on the data slices and heads
+        without, with_drafts = results["speculative_2x4"]
+        assert (with_drafts == without).all() and results["accepted_2x4"] > 0
 
 
 @pytest.mark.slow

@@ -102,3 +102,20 @@ def test_beam_search_matches_transformers_num_beams(engine, hf):
     assert [list(b.tokens) for b in ours] == beams
     np.testing.assert_allclose([b.score(1.0) for b in ours], out.sequences_scores.tolist(), atol=1e-3)
     assert engine.stats().kv_cache_usage == 0
+
+
+@pytest.mark.slow
+def test_ngram_speculation_gives_the_same_greedy_tokens(engine, smollm2):
+    """Two copy-edit chats (the answer repeats the prompt) and two anchor prompts, with EOS: the
+    tokens of the engine without speculation, most of the copies' tokens from accepted drafts."""
+    with open(WORKLOADS / "copy-edit.jsonl") as f:
+        copies = [json.loads(line)["prompt_token_ids"] for line in f][:2]
+    prompts = copies + anchor_prompts(2)
+    params = [SamplingParams(temperature=0, max_tokens=48)] * 4
+    spec = LLMEngine(EngineConfig(max_model_len=1024, num_pages=400, max_num_seqs=16, max_num_batched_tokens=256,
+                                  speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
+                     model=smollm2)
+    assert run(spec, prompts, params) == run(engine, prompts, params)
+    stats = spec.stats()
+    assert stats.spec_decode_num_accepted_tokens > 48, "over half of the copies' tokens came from drafts"
+    assert stats.kv_cache_usage == 0

@@ -5,8 +5,11 @@ Hugging Face transformers one request at a time in the same run) and prints a ta
     jaxserve bench offline --workload ... --mesh 1x1 --mesh 1x2     # meshes compared, one run
     jaxserve bench offline --workload ... --quantization none --quantization int8 --quantization auto
     jaxserve bench offline --single-stream --quantization none --quantization auto   # one request
+    jaxserve bench offline --workload ../shared/workloads/copy-edit.jsonl --eos --concurrency 1 \
+        --speculative-config none --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
-Repeated --mesh, --quantization and --kv-cache-dtype values are all combined, each in the same run.
+Repeated --mesh, --quantization, --kv-cache-dtype and --speculative-config values are all combined,
+each in the same run; with several, the table says whether each gave the first one's tokens.
 `--single-stream` replaces the workload by one request of 128 prompt tokens and 256 output tokens.
 """
 
@@ -34,7 +37,7 @@ def single_stream(rows) -> list[dict]:
     return [{"prompt_token_ids": tokens, "max_tokens": 256}]
 
 
-def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str) -> dict:
+def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str, speculative: str) -> dict:
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import parse_mesh
 
@@ -44,22 +47,34 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs // slices,
               max_num_batched_tokens=args.max_num_batched_tokens // slices,
               max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+              speculative_config=None if speculative == "none" else speculative)
     startup = time.perf_counter() - started
     weight_mib = llm.engine.model.weight_bytes / 2**20
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in rows]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=not args.eos) for r in rows]
     prompts = [r["prompt_token_ids"] for r in rows]
+    at_a_time = args.concurrency or len(rows)
+    batches = [slice(i, i + at_a_time) for i in range(0, len(rows), at_a_time)]
     times = []
+    before = llm.engine.stats()
     for _ in range(args.repeat):
         llm.engine.scheduler.clear_cache()   # every repeat computes its prompts: none is a cache hit
         started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=args.repeat == 1)
+        outputs = [o for b in batches for o in llm.generate(prompts[b], params[b], use_tqdm=args.repeat == 1)]
         times.append(time.perf_counter() - started)
     elapsed = sorted(times)[len(times) // 2]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}"
+    system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}" + (f" spec:{speculative}" if args.speculative_config
+                                                                        else "")
+    after = llm.engine.stats()
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     return {"system": system, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
-            "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib}
+            "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib,
+            "tokens": [o.outputs[0].token_ids for o in outputs], "drafts": drafts,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 def bench_hf(rows, args) -> dict:
@@ -94,8 +109,13 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['system']:<36}{mib:>12}{r['requests']:>9}{r['prompt_tokens']:>11}{r['output_tokens']:>11}"
               f"{r['elapsed_s']:>9.1f}{r['output_tokens_per_s']:>11.1f}{r['startup_s']:>10.1f}")
     for r in results[1:]:
+        same = "" if "tokens" not in r else f" (tokens {'equal' if r['tokens'] == results[0].get('tokens') else 'DIFFER'})"
         print(f"{r['system']} / {results[0]['system']}: "
-              f"{r['output_tokens_per_s'] / results[0]['output_tokens_per_s']:.2f}x")
+              f"{r['output_tokens_per_s'] / results[0]['output_tokens_per_s']:.2f}x{same}")
+    for r in results:
+        if r.get("drafts"):
+            print(f"{r['system']}: {r['drafts']} drafts, acceptance rate {r['acceptance_rate']:.3f}, "
+                  f"mean accepted length {r['mean_accepted_length']:.2f} tokens per verifying step")
 
 
 def main(argv=None, prog: str = "jaxserve bench offline") -> int:
@@ -107,6 +127,11 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
                         help="repeat to compare (default auto): auto, none, int8, fp8, int4")
     parser.add_argument("--kv-cache-dtype", action="append", default=None,
                         help="repeat to compare (default auto): auto, int8, fp8")
+    parser.add_argument("--speculative-config", action="append", default=None,
+                        help="repeat to compare: none, or vLLM's JSON, e.g. '{\"method\": \"ngram\"}'")
+    parser.add_argument("--eos", action="store_true", help="end requests at EOS (default: ignored, so every "
+                                                            "system makes the workload's max_tokens)")
+    parser.add_argument("--concurrency", type=int, default=0, help="requests at a time (default: all at once)")
     parser.add_argument("--repeat", type=int, default=1, help="generate N times on each engine, keep the median time")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -129,9 +154,10 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
     if args.single_stream:
         rows = single_stream(rows)
     results = []
-    for mesh, quantization, kv in itertools.product(meshes, args.quantization or ["auto"],
-                                                    args.kv_cache_dtype or ["auto"]):
-        results.append(bench_jaxserve(rows, args, mesh, quantization, kv))
+    for mesh, quantization, kv, spec in itertools.product(meshes, args.quantization or ["auto"],
+                                                          args.kv_cache_dtype or ["auto"],
+                                                          args.speculative_config or ["none"]):
+        results.append(bench_jaxserve(rows, args, mesh, quantization, kv, spec))
     if args.compare_hf:
         results.append(bench_hf(rows, args))
     for r in results:
@@ -139,7 +165,7 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in results], f, indent=2)
     return 0
 
 

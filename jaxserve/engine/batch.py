@@ -1,10 +1,12 @@
 """Turns a `SchedulerOutput` into the padded arrays of one step, for one compiled shape (bucket).
 
-Packed token layout, `T = Gd + Gp * segment`:
-  [0, Gd)   one token for each sequence computing a single token (decodes), then padding
-  [Gd, T)   `Gp` segments of `segment` tokens; each multi-token chunk fills whole segments,
+Packed token layout, `T = Gd * L + Gp * segment`:
+  [0, Gd L) a slot of L tokens for each decode (a sequence computing a single token, or with
+            speculative drafts its last token and the drafts), padded; L is 1 without drafts
+  [Gd L, T) `Gp` segments of `segment` tokens; each multi-token chunk fills whole segments,
             its last one padded
-Logit rows, `S = Gd + Gp`: one per decode slot, then one per prefill sequence that samples.
+Logit rows, `S = Gd * L + Gp`: one per decode slot's token, then one per prefill sequence that
+samples. A decode with drafts samples at each of its tokens (the target's token after each).
 Prompt rows, `T`: the packed index of each prompt token scored for prompt_logprobs and the prompt
 token it predicts, sequence after sequence (`prompt_rows` says whose), then padding (target -1).
 Padding tokens sit at position -1 and write their K/V into the reserved page 0.
@@ -47,9 +49,14 @@ class StepInput:
 class Bucket:
     num_decode: int      # Gd
     num_segments: int    # Gp
+    decode_len: int = 1  # L: tokens per decode slot (1 + speculative drafts)
 
     def num_tokens(self, segment: int) -> int:
-        return self.num_decode + self.num_segments * segment
+        return self.num_decode * self.decode_len + self.num_segments * segment
+
+    @property
+    def num_logit_rows(self) -> int:
+        return self.num_decode * self.decode_len + self.num_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +73,14 @@ class BatchLayout:
 
     def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
         """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
-        decode, segments = [0] * num_slices, [0] * num_slices
+        decode, segments, decode_len = [0] * num_slices, [0] * num_slices, 1
         for s in output.sequences:
-            if s.num_tokens == 1:
+            if is_decode(s):
                 decode[s.data_slice] += 1
+                decode_len = max(decode_len, s.num_tokens)
             else:
                 segments[s.data_slice] += math.ceil(s.num_tokens / self.segment)
-        return Bucket(max(decode), max(segments))
+        return Bucket(max(decode), max(segments), decode_len)
 
     def num_chunks(self, kv_len: int) -> int:
         return math.ceil(kv_len / (self.pages_per_chunk * self.page_size))
@@ -100,27 +108,27 @@ class BatchLayout:
     def _build_slice(self, sequences, bucket: Bucket, token_masks,
                      previous_rows: Mapping[str, int]) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
-        num_tokens = bucket.num_tokens(seg)
+        dl, num_tokens, num_rows = bucket.decode_len, bucket.num_tokens(seg), bucket.num_logit_rows
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.arange(num_tokens, dtype=np.int32) % ps  # padding writes into page 0
-        decode = _GroupArrays(gd, 1, self.table_width)
+        decode = _GroupArrays(gd, dl, self.table_width)
         prefill = _GroupArrays(gp, seg, self.table_width)
-        logits_index = np.zeros(gd + gp, np.int32)
+        logits_index = np.zeros(num_rows, np.int32)
         prompt_index = np.zeros(num_tokens, np.int32)
         prompt_target = np.full(num_tokens, -1, np.int32)
         placeholder_rows = np.full(num_tokens, -1, np.int32)
         scored = 0   # prompt rows filled
-        rows: list[ScheduledSequence | None] = [None] * (gd + gp)
-        next_prefill_row = gd
+        rows: list[ScheduledSequence | None] = [None] * num_rows
+        next_prefill_row = gd * dl
         chunks = []   # (first packed token, tokens, context length, pages) of each sequence
         for s in sequences:
             table = np.asarray(s.block_table, np.int32)
             pos = s.start_position + np.arange(s.num_tokens, dtype=np.int32)
             kv_chunks = self.num_chunks(s.start_position + s.num_tokens)
-            if s.num_tokens == 1:
-                row = decode.used
-                at = row + decode.add(1, table, kv_chunks)
+            if is_decode(s):
+                row = decode.used * dl
+                at = row + decode.add(s.num_tokens, table, kv_chunks)
             else:
                 at = gd + prefill.used * seg + prefill.add(s.num_tokens, table, kv_chunks)
                 row = next_prefill_row
@@ -133,17 +141,24 @@ class BatchLayout:
                 placeholder_rows[at[0]] = previous_rows[s.request_id]
             positions[at] = pos
             slots[at] = table[pos // ps] * ps + pos % ps
-            if s.samples:
+            if s.draft_token_ids:   # a sample after the last real token and after each draft
+                first = s.num_tokens - len(s.draft_token_ids) - 1
+                for i in range(len(s.draft_token_ids) + 1):
+                    logits_index[row + i] = at[first + i]
+                    rows[row + i] = draft_row(s, i)
+            elif s.samples:
                 logits_index[row] = at[-1]
                 rows[row] = s
             targets = s.prompt_targets
             prompt_index[scored:scored + len(targets)] = at[:len(targets)]
             prompt_target[scored:scored + len(targets)] = targets
             scored += len(targets)
-        ragged = _ragged_rows(chunks, gd + 2 * gp + 1, self.table_width) if self.ragged_rows else None
+        max_ragged = gd * (1 if dl == 1 else 2) + 2 * gp + 1   # decode slots with drafts may leave gaps
+        ragged = _ragged_rows(chunks, max_ragged, self.table_width) if self.ragged_rows else None
         attention = AttentionMetadata(positions=positions, slot_mapping=slots,
-                                      decode=decode.group(), prefill=prefill.group(), ragged=ragged)
-        sampling = sampling_tensors(rows, gd + gp, self.vocab_size, self.history_width, token_masks)
+                                      decode=decode.group(), prefill=prefill.group(), ragged=ragged,
+                                      decode_len=dl)
+        sampling = sampling_tensors(rows, num_rows, self.vocab_size, self.history_width, token_masks)
         return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target,
                          placeholder_rows), rows
 
@@ -158,6 +173,20 @@ class BatchLayout:
                     found += [(s.request_id, s.start_position + j, row + j) for j in range(len(s.prompt_targets))]
                     row += len(s.prompt_targets)
         return found
+
+
+def is_decode(s: ScheduledSequence) -> bool:
+    """Laid out in a decode slot: a single token, or a last token and its drafts."""
+    return s.num_tokens == 1 or bool(s.draft_token_ids)
+
+
+def draft_row(s: ScheduledSequence, i: int) -> ScheduledSequence:
+    """The sampling row of a sequence with drafts after its first `i` drafts: its token index and,
+    when it is penalised, its output as if those drafts were its tokens."""
+    if i == 0:
+        return s
+    outputs = (*s.output_token_ids, *s.draft_token_ids[:i]) if s.params.penalizes else ()
+    return dataclasses.replace(s, num_output_tokens=s.num_output_tokens + i, output_token_ids=outputs)
 
 
 class _GroupArrays:

@@ -11,11 +11,21 @@ there: its other samples, its preemption and its recomputation all happen inside
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 from jaxserve.engine.scheduler_output import SchedulerOutput
+
+
+def _add(values: Iterable):
+    """The slices' sum of one counter: a number, or a list of per-position counts."""
+    values = list(values)
+    if isinstance(values[0], list):
+        return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
+    return sum(values)
 
 
 class SlicedScheduler:
@@ -34,7 +44,7 @@ class SlicedScheduler:
 
     @property
     def counters(self) -> SchedulerCounters:
-        return SchedulerCounters(*(sum(getattr(s.counters, f.name) for s in self.slices)
+        return SchedulerCounters(*(_add(getattr(s.counters, f.name) for s in self.slices)
                                    for f in dataclasses.fields(SchedulerCounters)))
 
     def has_unfinished(self) -> bool:
@@ -66,15 +76,15 @@ class SlicedScheduler:
             tuple(r for o in outputs for r in o.preempted_ids),
             tuple((src + i * size, dst + i * size) for i, o in enumerate(outputs) for src, dst in o.page_copies))
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> dict[Request, tuple[int, ...]]:
         if len(self.slices) == 1:
             advanced = self.slices[0].update(output, sampled)
         else:
             by_slice = [[] for _ in self.slices]
             for seq in output.sequences:
                 by_slice[seq.data_slice].append(seq)
-            advanced = [r for s, seqs in zip(self.slices, by_slice)
-                        for r in s.update(SchedulerOutput(tuple(seqs)), sampled)]
+            advanced = {r: run for s, seqs in zip(self.slices, by_slice)
+                        for r, run in s.update(SchedulerOutput(tuple(seqs)), sampled).items()}
         for request in advanced:
             if request.is_finished:
                 self._slice_of.pop(request.request_id, None)

@@ -35,7 +35,7 @@ from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
 from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
-from jaxserve.engine.runner import Followers, LaunchedStep, Runner
+from jaxserve.engine.runner import Followers, LaunchedStep, Runner, speculative_buckets
 from jaxserve.engine.sampler import row_seed
 from jaxserve.engine.structured_output import Grammars, pack_tokens
 from jaxserve.engine.scheduler import SchedulerConfig
@@ -61,6 +61,10 @@ class EngineStats:
     num_preemptions: int = 0        # since start: sequences preempted (and later recomputed)
     prefix_cache_queries: int = 0   # since start: prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # since start: of those, tokens found cached (not computed)
+    spec_decode_num_drafts: int = 0            # since start: sequences given speculative drafts
+    spec_decode_num_draft_tokens: int = 0      # since start: drafts proposed
+    spec_decode_num_accepted_tokens: int = 0   # since start: drafts confirmed by the target's samples
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts confirmed at position i
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +170,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         num_slices = kv_pool.num_data_slices(self.model.mesh)
         kv_dtype = kv_pool.resolve_kv_dtype(config.kv_cache_dtype, self.model.dtype)
+        spec = config.speculative_config
         self.runner = Runner(self.model, None, config.page_size, self.max_model_len, config.max_num_seqs,
                              config.max_num_batched_tokens, config.prefill_chunk,
                              attention_backend=config.attention_backend, followers=followers,
-                             kv_cache_dtype=config.kv_cache_dtype)
+                             kv_cache_dtype=config.kv_cache_dtype, speculative_buckets=speculative_buckets(
+                                 min(spec.disable_by_batch_size, config.max_num_seqs), spec.num_speculative_tokens,
+                                 config.max_num_batched_tokens) if spec else [])
         pages, source = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices,
                                           self._memory_budget())
         self.runner.allocate_pool(pages)
@@ -178,7 +185,7 @@ class LLMEngine:
         self.scheduler = SlicedScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
                             config.enable_chunked_prefill, config.scheduling_policy,
-                            config.priority_max_wait_steps),
+                            config.priority_max_wait_steps, spec),
             self.allocators)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
@@ -194,6 +201,8 @@ class LLMEngine:
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
                  * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name,
                  source)
+        if spec:
+            log.info("speculative decoding: %s", spec)
         started = time.perf_counter()
         self.runner.warm_up(progress)
         log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets), time.perf_counter() - started)
@@ -321,7 +330,10 @@ class LLMEngine:
         counters = self.scheduler.counters
         return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting,
                            self.scheduler.kv_cache_usage(), counters.num_preemptions,
-                           counters.prefix_cache_queries, counters.prefix_cache_hits)
+                           counters.prefix_cache_queries, counters.prefix_cache_hits,
+                           counters.spec_decode_num_drafts, counters.spec_decode_num_draft_tokens,
+                           counters.spec_decode_num_accepted_tokens,
+                           tuple(counters.spec_decode_num_accepted_tokens_per_pos))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -348,9 +360,12 @@ class LLMEngine:
 
     def _schedules_ahead(self) -> bool:
         """Whether the next step may be scheduled before the current one is read back: not while a
-        running request's next token depends on its last one on the host (penalties, grammars)."""
-        return self.config.async_scheduling and not any(
-            r.params.penalizes or r.request_id in self._matchers for r in self.scheduler.running)
+        running request's next token depends on its last one on the host (penalties, grammars), nor
+        while few enough run to speculate (drafts are proposed from the last token)."""
+        running = self.scheduler.running
+        spec = self.config.speculative_config
+        return self.config.async_scheduling and not (spec and len(running) <= spec.disable_by_batch_size) and not any(
+            r.params.penalizes or r.request_id in self._matchers for r in running)
 
     def _launch(self) -> _Launched | None:
         started = time.perf_counter()
@@ -382,7 +397,7 @@ class LLMEngine:
         results = self._fail_requests(non_finite, NON_FINITE) if non_finite else []
         advanced = self.scheduler.update(output, sampled)
         updated = time.perf_counter()
-        results += self._outputs({r.request_id for r in advanced}, sampled, logprobs)
+        results += self._outputs({r.request_id: run for r, run in advanced.items()}, logprobs)
         if self.step_observer is not None:
             prepare = launched.step.prepare_s
             self.step_observer(StepTimes(
@@ -429,24 +444,28 @@ class LLMEngine:
             self.scheduler.abort(sample.request_id, FinishReason.STOP)
         return None
 
-    def _outputs(self, sample_ids: set[str], sampled: dict[str, int],
-                 logprobs: dict[str, TokenLogprob]) -> list[RequestOutput]:
+    def _outputs(self, received: dict[str, tuple[int, ...]],
+                 logprobs: dict[str, tuple[TokenLogprob, ...]]) -> list[RequestOutput]:
+        """Each sample's new tokens (several after confirmed drafts) through its grammar and text, in
+        order; a stop string ends the sample at the token that completes it, and drops the rest."""
         results = []
         for request_id, group in list(self._groups.items()):
             touched = False
             for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
-                if sample.request_id not in sample_ids:
+                if sample.request_id not in received:
                     continue
                 touched = True
-                token = sampled[sample.request_id]
-                if sample.request_id in logprobs:
-                    sample_logprobs.append(logprobs[sample.request_id])
+                run = received[sample.request_id]
                 try:
-                    dead_end = self._constrain(sample, token)
-                    if dead_end and not group.error:   # the request's own constraint led there
-                        group.error, group.error_param = dead_end, "structured_outputs"
-                    if text.add(token) and not sample.is_finished:
-                        self.scheduler.abort(sample.request_id, FinishReason.STOP)
+                    for i, token in enumerate(run):
+                        if sample.request_id in logprobs:
+                            sample_logprobs.append(logprobs[sample.request_id][i])
+                        dead_end = self._constrain(sample, token)
+                        if dead_end and not group.error:   # the request's own constraint led there
+                            group.error, group.error_param = dead_end, "structured_outputs"
+                        if text.add(token):
+                            self._stop_at(sample, len(run) - 1 - i)
+                            break
                     if sample.is_finished:
                         text.finish()
                         self._forget_masks(sample.request_id)
@@ -462,6 +481,13 @@ class LLMEngine:
                 if group.finished:
                     del self._groups[request_id]
         return results
+
+    def _stop_at(self, sample: Request, num_after: int) -> None:
+        """A stop string ends `sample` at a token with `num_after` tokens of its run after it: they
+        are dropped. (One that ends at the run's last token keeps a finish the scheduler gave it.)"""
+        if self.scheduler.abort(sample.request_id, FinishReason.STOP) is None and num_after:
+            sample.finish(FinishReason.STOP)   # the scheduler ended it later in the run
+        del sample.output_token_ids[len(sample.output_token_ids) - num_after:]
 
     def _fail_group(self, group: _Group) -> None:
         """Ends every sample of a request whose `error` is set; their pages return to the pool."""

@@ -138,6 +138,17 @@ class PageAllocator:
         table.extend(self._take() for _ in range(num_new))
         return copies
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Returns `seq_id`'s pages past its first `num_tokens` tokens to the pool (rejected
+        speculative tokens' pages). They were never registered in the cache: they held unverified K/V."""
+        table = self._tables.get(seq_id, [])
+        keep = self.pages_for(num_tokens)
+        for page in reversed(table[keep:]):
+            self._release(page)
+        del table[keep:]
+        if seq_id in self._num_registered:
+            self._num_registered[seq_id] = min(self._num_registered[seq_id], keep)
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Gives `child_id` the pages holding the parent's first `num_tokens` tokens, by reference."""
         if self._tables.get(child_id):

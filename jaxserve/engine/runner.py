@@ -30,6 +30,7 @@ from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.prompt_logprobs import PromptLogprobs
+from jaxserve.engine.rejection_sampler import accepted_length
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
 from jaxserve.models.layers.attention import MeshAttention, PallasPagedAttention, XlaPagedAttention
 from jaxserve.sampling_params import SamplingParams
@@ -60,13 +61,27 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, segment: int) -
     """
     decode = [Bucket(d, 0) for d in _powers(max_num_seqs)]
     mixed = [Bucket(min(max_num_seqs, p * segment), p) for p in _powers(max_num_batched_tokens // segment)]
-    return sorted(set(decode + mixed), key=lambda b: (b.num_tokens(segment), b.num_segments))
+    return sorted(set(decode + mixed), key=_bucket_order(segment))
+
+
+def speculative_buckets(max_speculating_seqs: int, num_speculative_tokens: int,
+                        max_num_batched_tokens: int) -> list[Bucket]:
+    """Decode-only steps of 1, 2, 4, ... sequences each with a slot of 1 + K tokens, as many as the
+    token budget holds (the scheduler gives drafts only in such steps)."""
+    slot = 1 + num_speculative_tokens
+    most = min(max_speculating_seqs, max_num_batched_tokens // slot)
+    return [Bucket(d, 0, slot) for d in _powers(most)] if most >= 1 else []
+
+
+def _bucket_order(segment: int):
+    return lambda b: (b.num_tokens(segment), b.num_segments, b.decode_len)
 
 
 def smallest_bucket(buckets: list[Bucket], need: Bucket) -> Bucket:
     """The first of `buckets` (smallest first) with room for `need`'s decodes and segments."""
     for bucket in buckets:
-        if bucket.num_decode >= need.num_decode and bucket.num_segments >= need.num_segments:
+        if (bucket.num_decode >= need.num_decode and bucket.num_segments >= need.num_segments
+                and bucket.decode_len >= need.decode_len):
             return bucket
     raise ValueError(f"a step of {need} exceeds the largest compiled bucket {buckets[-1]}")
 
@@ -99,8 +114,9 @@ class LaunchedStep:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    tokens: dict[str, int]                  # sampled, for each sequence whose chunk reached its end
-    logprobs: dict[str, TokenLogprob]       # of those tokens, where the params ask for them
+    tokens: dict[str, tuple[int, ...]]      # sampled, for each sequence whose chunk reached its end: one
+                                            # token, or after drafts the confirmed drafts and one more
+    logprobs: dict[str, tuple[TokenLogprob, ...]]   # of those tokens, where the params ask for them
     non_finite: set[str]                    # sequences whose logits were NaN or inf: no token for them
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]]   # prompt_logprobs sequences: (position,
                                                                   # logprob of the prompt token after it)
@@ -109,7 +125,8 @@ class StepResult:
 class Runner:
     def __init__(self, model, pages_per_slice: int | None, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
-                 attention_backend: str = "xla", followers: Followers | None = None, kv_cache_dtype: str = "auto"):
+                 attention_backend: str = "xla", followers: Followers | None = None, kv_cache_dtype: str = "auto",
+                 speculative_buckets: list[Bucket] = ()):
         self.model = model
         self.followers = followers
         self.attention_backend = resolve_backend(attention_backend)
@@ -121,7 +138,8 @@ class Runner:
                                   ragged_rows=self.attention_backend == "pallas")
         self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
-        self.buckets = step_buckets(max_num_seqs, max_num_batched_tokens, prefill_segment)
+        self.buckets = sorted(step_buckets(max_num_seqs, max_num_batched_tokens, prefill_segment)
+                              + list(speculative_buckets), key=_bucket_order(prefill_segment))
         self.page_size = page_size
         self.kv_pages = None   # allocated here, or by `allocate_pool` once its size is known (step_bytes)
         if pages_per_slice is not None:
@@ -139,7 +157,7 @@ class Runner:
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
         # The last step's sampled tokens stay on the device for the next step's placeholders:
         # `_sampled` holds them in its first rows, `_sampled_rows` says whose they are.
-        self._num_rows = max(b.num_decode + b.num_segments for b in self.buckets) * self.num_slices
+        self._num_rows = max(b.num_logit_rows for b in self.buckets) * self.num_slices
         self._sampled = self._new_sampled()
         self._sampled_rows: dict[str, int] = {}
 
@@ -190,25 +208,31 @@ class Runner:
         bucket = self.bucket_for(output)
         batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows)
         samples, prompt = self._run_step(batch, bucket)
-        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None}
+        # A sequence with drafts has no one next token on the device: it is never a placeholder.
+        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
+                              and not seq.draft_token_ids}
         return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started)
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Waits for a launched step and reads its tokens back (see StepResult)."""
         output, bucket, batch, rows = step.output, step.bucket, step.batch, step.rows
         samples, prompt = jax.device_get(step.samples), step.prompt
-        tokens, logprobs, non_finite = {}, {}, set()
+        sample_rows: dict[str, list[int]] = {}   # each sampling sequence's logit rows, in order
         for i, seq in enumerate(rows):
-            if seq is None:
+            if seq is not None:
+                sample_rows.setdefault(seq.request_id, []).append(i)
+        tokens, logprobs, non_finite = {}, {}, set()
+        for seq_id, seq_rows in sample_rows.items():
+            seq = rows[seq_rows[0]]
+            seq_rows = seq_rows[:accepted_length(samples.tokens[seq_rows].tolist(), seq.draft_token_ids)]
+            if not samples.finite[seq_rows].all():
+                non_finite.add(seq_id)
                 continue
-            if not samples.finite[i]:
-                non_finite.add(seq.request_id)
-                continue
-            tokens[seq.request_id] = int(samples.tokens[i])
-            if batch.sampling.logprobs[i]:
+            tokens[seq_id] = tuple(int(samples.tokens[i]) for i in seq_rows)
+            if batch.sampling.logprobs[seq_rows[0]]:
                 k = seq.params.logprobs or 0
-                top = tuple(zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))
-                logprobs[seq.request_id] = TokenLogprob(tokens[seq.request_id], float(samples.logprob[i]), top)
+                logprobs[seq_id] = tuple(TokenLogprob(int(samples.tokens[i]), float(samples.logprob[i]), tuple(
+                    zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))) for i in seq_rows)
         return StepResult(tokens, logprobs, non_finite, self._prompt_logprobs(output, bucket, batch, prompt))
 
     def _prompt_logprobs(self, output: SchedulerOutput, bucket: Bucket, batch: StepInput,
@@ -230,7 +254,7 @@ class Runner:
     def replay(self, call: DeviceCall) -> None:
         """A follower process makes the device call that process 0's runner sent."""
         if isinstance(call, Step):
-            bucket = Bucket(call.num_decode, call.num_segments)
+            bucket = Bucket(call.num_decode, call.num_segments, call.decode_len)
             self._run_step(self._step_input(bucket, call.leaves), bucket)
         elif isinstance(call, CopyPages):
             self._copy(call.source.value(), call.destination.value())
@@ -261,7 +285,7 @@ class Runner:
     def _run_step(self, batch: StepInput, bucket: Bucket):
         if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
-                                      tuple(map(Array.of, jax.tree.leaves(batch)))))
+                                      tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len))
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
                                                                    self._place(batch))
         return samples, prompt

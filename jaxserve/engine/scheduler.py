@@ -27,6 +27,12 @@ Preemption: when a running request needs a page and none is free (after evicting
 the running request of the worst rank is preempted: its pages are freed and it waits again, to
 recompute its prompt and its outputs so far when it is readmitted (nothing already returned is
 returned again; with prefix caching most of it is found in the cache).
+
+Speculative decoding (n-gram): in a step of decodes only, with at most `disable_by_batch_size`
+sequences, each decoding request whose tokens end in an n-gram seen before gets the tokens that
+followed it as drafts: its chunk is its last token and up to K drafts, whose pages it takes if
+they are free (never by preempting). When the step is read back, the drafts the target's own
+samples confirm count as computed and the pages past its end go back to the pool.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Mapping, Sequence
 
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine import ngram_proposer
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -48,6 +57,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     policy: str = "fcfs"            # or "priority"
     max_wait_steps: int = 256       # waiting steps after which a request outranks every priority
+    speculative: SpeculativeConfig | None = None
 
     def chunk_cost(self, num_tokens: int) -> int:
         if num_tokens == 1:
@@ -70,6 +80,10 @@ class SchedulerCounters:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0     # tokens of admitted requests looked up
     prefix_cache_hits: int = 0        # of those, tokens found cached
+    spec_decode_num_drafts: int = 0            # sequences given drafts (vLLM's names)
+    spec_decode_num_draft_tokens: int = 0      # drafts proposed
+    spec_decode_num_accepted_tokens: int = 0   # drafts the target's samples confirmed
+    spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)   # [i]: at draft i
 
 
 class Scheduler:
@@ -155,10 +169,42 @@ class Scheduler:
             scheduled[request.request_id] = (request, num_tokens)
             budget -= self.config.chunk_cost(num_tokens)
         self._age_waiting()
-        sequences = tuple(self._describe(r, n) for r, n in scheduled.values())
+        drafts = self._speculate(scheduled, copies, budget) if self.config.speculative and not preempted else {}
+        sequences = tuple(self._describe(r, n, drafts.get(i, ())) for i, (r, n) in scheduled.items())
         for request, num_tokens in scheduled.values():
             self._commit(request, num_tokens)
         return SchedulerOutput(sequences, tuple(preempted), tuple(c for cs in copies.values() for c in cs))
+
+    def _speculate(self, scheduled: dict[str, tuple[Request, int]], copies: dict[str, list[tuple[int, int]]],
+                   budget: int) -> dict[str, tuple[int, ...]]:
+        """Drafts for the decodes of a step of decodes only and at most `disable_by_batch_size`
+        sequences, within the token budget left; pages for them only where free."""
+        spec = self.config.speculative
+        if len(scheduled) > spec.disable_by_batch_size or any(
+                n != 1 or r.num_placeholders for r, n in scheduled.values()):
+            return {}
+        drafts = {}
+        for request_id, (request, _) in scheduled.items():
+            p = request.params
+            # min_tokens masks EOS per position, a grammar needs each token's state: not speculated
+            room = min(spec.num_speculative_tokens, budget, request.max_total_tokens - request.num_tokens - 1,
+                       (p.max_tokens or request.max_total_tokens) - request.num_output_tokens - 1)
+            if room < 1 or p.structured_outputs is not None or request.num_output_tokens < p.min_tokens:
+                continue
+            proposed = ngram_proposer.propose(request.prompt_token_ids, request.output_token_ids, room,
+                                              spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if not proposed:
+                continue
+            extra = self.allocator.allocate(request_id, request.num_tokens + len(proposed),
+                                            write_from=request.num_computed_tokens)
+            if extra is None:
+                continue
+            copies[request_id] += extra
+            drafts[request_id] = proposed
+            budget -= len(proposed)
+            self.counters.spec_decode_num_drafts += 1
+            self.counters.spec_decode_num_draft_tokens += len(proposed)
+        return drafts
 
     @staticmethod
     def _commit(request: Request, num_tokens: int) -> None:
@@ -227,7 +273,7 @@ class Scheduler:
         self.waiting.append(request)
         self.counters.num_preemptions += 1
 
-    def _describe(self, request: Request, num_tokens: int) -> ScheduledSequence:
+    def _describe(self, request: Request, num_tokens: int, drafts: tuple[int, ...] = ()) -> ScheduledSequence:
         start = request.num_computed_tokens
         p = request.params
         penalizes = p.penalizes
@@ -239,10 +285,11 @@ class Scheduler:
                                  f"{' of a penalised request' if penalizes else ''}")
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=(0,) if placeholder else tuple(request.token_slice(start, start + num_tokens)),
+            token_ids=(0,) if placeholder else (*request.token_slice(start, start + num_tokens), *drafts),
             start_position=start,
             block_table=tuple(self.allocator.block_table(request.request_id)),
             samples=start + num_tokens == request.num_tokens,
+            draft_token_ids=drafts,
             params=p,
             seed=request.seed,
             num_output_tokens=request.num_output_tokens,
@@ -258,27 +305,46 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """After a step is read back: registers each scheduled request's full pages up to its chunk's
-        end in the prefix cache, appends its sampled token, forks its samples, retires the finished.
-        Returns the requests that received a token. A request that finished, was aborted or was
-        preempted after the step was launched is no longer running, and its token is dropped."""
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> dict[Request, tuple[int, ...]]:
+        """After a step is read back: appends each scheduled request's sampled tokens (one, or with
+        drafts the confirmed ones and one more) until one ends it, registers its full pages up to
+        what is computed in the prefix cache, forks its samples, retires the finished. Returns the
+        requests that received tokens, and those tokens. A request that finished, was aborted or was
+        preempted after the step was launched is no longer running, and its tokens are dropped."""
         by_id = {r.request_id: r for r in self.running}
-        advanced = []
+        advanced = {}
         for seq in output.sequences:
             request = by_id.get(seq.request_id)
             if request is None:
                 continue  # finished, aborted or preempted since the step was launched
-            self._cache_computed_pages(request, seq.start_position + seq.num_tokens)
             if not seq.samples:
+                self._cache_computed_pages(request, seq.start_position + seq.num_tokens)
                 continue
-            request.append_token(sampled[seq.request_id])
-            advanced.append(request)
+            run = sampled[seq.request_id]
+            taken = 0
+            while taken < len(run) and not request.is_finished:
+                request.append_token(run[taken])
+                taken += 1
+            if seq.draft_token_ids:
+                self._count_accepted(len(run) - 1)
+                request.num_computed_tokens += taken - 1   # the confirmed drafts' K/V is the sequence's
+                self.allocator.truncate(request.request_id, request.num_tokens)
+            self._cache_computed_pages(request, seq.start_position + seq.num_tokens - len(seq.draft_token_ids)
+                                       + max(0, taken - 1))
+            advanced[request] = tuple(run[:taken])
             self._fork_samples(request)
             if request.is_finished:
                 self.running.remove(request)
                 self.allocator.free(request.request_id)
         return advanced
+
+    def _count_accepted(self, accepted: int) -> None:
+        counters = self.counters
+        counters.spec_decode_num_accepted_tokens += accepted
+        per_position = counters.spec_decode_num_accepted_tokens_per_pos
+        per_position += [0] * (self.config.speculative.num_speculative_tokens - len(per_position))
+        for i in range(accepted):
+            per_position[i] += 1
 
     def _cache_computed_pages(self, request: Request, computed: int) -> None:
         """Pages wholly inside the first `computed` tokens: those a step read back has written.

@@ -28,6 +28,9 @@ class ScheduledSequence:
                                            # predicts (token j's is the prompt's token at position + 1)
     placeholder: bool = False     # its one token is the sample of the step launched before this one,
                                   # not read back yet: the step takes its id on the device
+    draft_token_ids: tuple[int, ...] = ()   # speculative decoding: the last tokens of `token_ids` are
+                                  # proposals; the step samples after each of them (and after the token
+                                  # before them), and keeps the run its samples confirm
 
     @property
     def num_tokens(self) -> int:

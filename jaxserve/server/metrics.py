@@ -119,6 +119,9 @@ class _EngineCounters:
         ("num_preemptions", "Sequences preempted (their pages freed, later recomputed)."),
         ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
         ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)."),
+        ("spec_decode_num_drafts", "Speculative decoding: sequences given drafts to verify."),
+        ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed."),
+        ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
     )
 
     def __init__(self, label: dict[str, str], stats: Callable[[], EngineStats]):
@@ -131,6 +134,12 @@ class _EngineCounters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._label))
             family.add_metric(list(self._label.values()), getattr(stats, name))
             yield family
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative decoding: draft tokens accepted at each position.",
+                                     labels=[*self._label, "position"])
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            family.add_metric([*self._label.values(), str(position)], count)
+        yield family
 
 
 class _CacheConfig:

@@ -9,7 +9,8 @@ hold the whole context, causally by position.
 
 The step's tokens are packed along one axis `T = Gd + Gp * Qc` in two groups, so that a step that
 mixes decodes and prompt chunks costs about what its real tokens cost:
-  decode group  [Gd, 1]   the first Gd tokens: one per sequence (decodes, 1-token prompt tails)
+  decode group  [Gd, L]   the first Gd * L tokens: one per sequence (decodes, 1-token prompt tails),
+                          L = 1, or 1 + K with K speculative drafts per decode
   prefill group [Gp, Qc]  the rest: prompt chunks cut into segments of Qc tokens of one sequence
 Padding tokens sit at position -1 and see nothing. Both groups loop over the context in chunks
 of pages with an online (flash) softmax, so no program is compiled per context length and no
@@ -78,9 +79,10 @@ class AttentionMetadata:
 
     positions: jax.Array     # [T] int32: position in its sequence; -1 for padding
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset to write K/V; 0..page_size-1 pads
-    decode: QueryGroup       # the first Gd tokens, one row each
-    prefill: QueryGroup      # the remaining T - Gd tokens, Gp rows of (T - Gd) / Gp
+    decode: QueryGroup       # the first Gd * L tokens, L to a row
+    prefill: QueryGroup      # the remaining T - Gd * L tokens, Gp rows of (T - Gd * L) / Gp
     ragged: RaggedRows | None = None   # built when the backend asks for it
+    decode_len: int = struct.field(pytree_node=False, default=1)   # L: 1, or 1 + speculative drafts
 
     def group_sizes(self) -> tuple[int, int]:
         """(Gd, Gp), static: read off the array shapes."""
@@ -186,9 +188,10 @@ class XlaPagedAttention:
     def __call__(self, q, k, v, kv_pages, layer, meta):
         kv_pages = write_kv(kv_pages, k, v, layer, meta.slot_mapping)
         num_decode, num_segments = meta.group_sizes()
+        decode_end = num_decode * meta.decode_len
         outs = []
-        for group, rows, start, stop in ((meta.decode, num_decode, 0, num_decode),
-                                         (meta.prefill, num_segments, num_decode, q.shape[0])):
+        for group, rows, start, stop in ((meta.decode, num_decode, 0, decode_end),
+                                         (meta.prefill, num_segments, decode_end, q.shape[0])):
             if rows:
                 group_q = q[start:stop].reshape(rows, -1, *q.shape[1:])
                 group_pos = meta.positions[start:stop].reshape(rows, -1)

@@ -1,0 +1,178 @@
+"""Speculative decoding (n-gram) through the engine on tiny random models: the tokens, logprobs,
+texts and finish reasons of the engine without speculation, several tokens a step, every page back."""
+
+import numpy as np
+import pytest
+
+from jaxserve.checkpoint.loader import load_model
+from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+
+CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+COPY = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3 + [10, 11]   # a prompt to copy from
+PROMPTS = [COPY, [3, 4, 5], list(range(100, 140)), [7, 8, 7, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return load_model(str(tiny_models("llama")[0]), "float32")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    return LLMEngine(EngineConfig(**CONFIG), model=tiny)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny):
+    return LLMEngine(EngineConfig(**CONFIG, speculative_config=NGRAM), model=tiny)
+
+
+def run(engine, requests):
+    """Runs (prompt, params) requests together: each one's final output and the token counts its
+    stream showed, step by step."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    final, streamed = {}, {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id].append([len(o.token_ids) for o in out.outputs])
+            if out.finished:
+                final[out.request_id] = out
+    assert engine.stats().kv_cache_usage == 0   # every page back in the pool
+    return [final[i] for i in ids], [streamed[i] for i in ids]
+
+
+def samples(outputs):
+    return [[(o.token_ids, o.text, o.finish_reason) for o in out.outputs] for out in outputs]
+
+
+def drafted(engine):
+    stats = engine.stats()
+    return stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+
+
+def test_greedy_tokens_equal_the_engine_without_speculation(plain, spec):
+    requests = [(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+    before = drafted(spec)
+    expected, _ = run(plain, requests)
+    got, streamed = run(spec, requests)
+    assert samples(got) == samples(expected)
+    proposed, accepted = np.subtract(drafted(spec), before)
+    assert 0 < accepted < proposed                    # drafts both kept and rejected
+    steps = [len(s) for s in streamed]
+    assert sum(steps) < 4 * 40                        # fewer steps than tokens: several tokens a step
+    assert all(b[0] > a[0] for s in streamed for a, b in zip(s, s[1:]))
+
+
+def test_seeded_sampling_penalties_and_bias_equal_the_engine_without_speculation(plain, spec):
+    """Each sample keeps its seed's index, and a penalised draft row counts the drafts before it.
+    The bias makes the random model repeat three tokens, so that sampled drafts are kept at times."""
+    bias = {10: 6.0, 11: 6.0, 12: 6.0}
+    variants = [dict(temperature=1.0, top_p=0.9, top_k=20, seed=2), dict(temperature=1.0, seed=5, min_p=0.1),
+                dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4),
+                dict(temperature=0.5, seed=3, presence_penalty=0.5), dict(temperature=0.7, seed=4, n=2)]
+    requests = [(COPY, SamplingParams(max_tokens=30, ignore_eos=True, logit_bias=bias, **v)) for v in variants]
+    before = drafted(spec)
+    expected, _ = run(plain, requests)
+    assert samples(run(spec, requests)[0]) == samples(expected)
+    assert samples(run(spec, requests)[0]) == samples(expected)   # and again: reproducible
+    assert drafted(spec)[1] > before[1]
+
+
+def test_logprobs_of_accepted_tokens_equal_those_without_speculation(plain, spec):
+    requests = [(COPY, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3))]
+    (expected,), _ = run(plain, requests)
+    (got,), _ = run(spec, requests)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    for a, b in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs, strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_stops_inside_an_accepted_run_send_nothing_past_them(plain, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    (reference,), _ = run(plain, [(COPY, greedy)])
+    tokens, text = reference.outputs[0].token_ids, reference.outputs[0].text
+    stop_id = tokens[9]
+    stop_text = text[len(text) // 2:][:4]
+    requests = [(COPY, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id])),
+                (COPY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop_text])),
+                (COPY, SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))]
+    expected, _ = run(plain, requests)
+    got, streamed = run(spec, requests)
+    assert samples(got) == samples(expected)
+    assert got[0].outputs[0].token_ids[-1] == stop_id and got[0].outputs[0].finish_reason == "stop"
+    assert stop_text not in got[1].outputs[0].text and got[1].outputs[0].finish_reason == "stop"
+    assert len(got[2].outputs[0].token_ids) == 13 and max(s[0] for s in streamed[2]) == 13
+
+
+def test_preemption_prefix_caching_and_priorities_keep_the_tokens(tiny, plain):
+    """A small pool: drafts take only free pages, preempted requests recompute, and a repeated
+    prompt is found in the cache; the tokens are those of the large pool without speculation."""
+    small = LLMEngine(EngineConfig(**{**CONFIG, "num_pages": 24}, scheduling_policy="priority",
+                                   speculative_config=NGRAM), model=tiny)
+    requests = [(COPY[i:] + [i], SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True))
+                for i in range(6)] + [(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))] * 2
+    expected, _ = run(plain, requests)
+    got, _ = run(small, requests)
+    assert samples(got) == samples(expected)
+    stats = small.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_no_drafts_above_the_batch_size_cut_off(tiny):
+    engine = LLMEngine(EngineConfig(**CONFIG, speculative_config={**NGRAM, "disable_by_batch_size": 1}), model=tiny)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    run(engine, [(COPY, greedy), (COPY[1:], greedy)])
+    assert drafted(engine) == (0, 0)
+    run(engine, [(COPY, greedy)])
+    assert drafted(engine)[0] > 0
+
+
+def test_counters_move_by_the_drafts_kept(spec):
+    """Each step that sends k tokens of a request with drafts accepted k - 1 of them."""
+    before = spec.stats()
+    (out,), (streamed,) = run(spec, [(COPY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))])
+    after = spec.stats()
+    counts = [0] + [s[0] for s in streamed]
+    sent = np.diff(counts)[1:]   # the first step sends the prompt's sample
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert accepted == sum(sent - 1) > 0
+    per_position = np.subtract(after.spec_decode_num_accepted_tokens_per_pos,
+                               np.pad(before.spec_decode_num_accepted_tokens_per_pos,
+                                      (0, 4 - len(before.spec_decode_num_accepted_tokens_per_pos))))
+    assert per_position.sum() == accepted and all(np.diff(per_position) <= 0)
+    assert per_position[0] == sum(sent > 1)
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    assert sum(sent > 1) <= drafts <= len(sent)
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(method="eagle"), r"method='eagle' is not one of \('ngram'"),
+    (dict(num_speculative_tokens=0), r"num_speculative_tokens=0 must be in \[1, 16\]"),
+    (dict(prompt_lookup_min=3, prompt_lookup_max=2), "must satisfy 1 <= min <= max"),
+    (dict(num_speculative_tokens="4"), "num_speculative_tokens='4' must be an integer"),
+    (dict(lookahead=3), r"unknown keys \['lookahead'\]"),
+    ('{"method": ', "is not JSON"),
+])
+def test_bad_speculative_configs_are_refused_with_the_value(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**CONFIG, speculative_config=config)
+
+
+def test_the_config_parses_vllms_json():
+    config = EngineConfig(**CONFIG, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+
+
+def test_the_pallas_backend_verifies_drafts_as_xla_does(tiny, plain):
+    pallas = LLMEngine(EngineConfig(**{**CONFIG, "max_num_seqs": 2}, attention_backend="pallas",
+                                    speculative_config=NGRAM), model=tiny)
+    requests = [(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+                (PROMPTS[3], SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True,
+                                            logit_bias={7: 6.0, 8: 6.0}))]
+    expected, _ = run(plain, requests)
+    assert samples(run(pallas, requests)[0]) == samples(expected)
+    assert drafted(pallas)[1] > 0
