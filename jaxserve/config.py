@@ -163,7 +163,7 @@ def parse_size(text: str, name: str) -> int:
     return int(float(match[1]) * scale)
 
 
-SPECULATIVE_METHODS = ("ngram",)   # see jaxserve.engine.ngram_proposer
+SPECULATIVE_METHODS = ("ngram", "draft_model")   # jaxserve.engine.ngram_proposer, .draft_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +172,17 @@ class SpeculativeConfig:
     and verify them in the next step (speculative decoding).
 
     ngram (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens (prompt_lookup_max >= n >= prompt_lookup_min, longest first). Speculation pauses in
-    a step of more than `disable_by_batch_size` sequences, where verifying costs more than it saves.
+    last n tokens (prompt_lookup_max >= n >= prompt_lookup_min, longest first). draft_model: a
+    smaller model (`model`: an HF directory, GGUF file or convert directory with the target's
+    vocabulary) proposes them, one greedy or sampled token after another. Speculation pauses in a
+    step of more than `disable_by_batch_size` sequences, where verifying costs more than it saves.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None          # draft_model: the draft's checkpoint
     disable_by_batch_size: int = 8
 
     def __post_init__(self):
@@ -192,10 +195,14 @@ class SpeculativeConfig:
                  f"{self.prompt_lookup_max} must satisfy 1 <= min <= max")
         _require(self.disable_by_batch_size >= 1,
                  f"speculative_config disable_by_batch_size={self.disable_by_batch_size} must be >= 1")
+        _require((self.model is not None) == (self.method == "draft_model"),
+                 f"speculative_config model={self.model!r}: method draft_model needs a model and "
+                 f"method {self.method!r} takes none")
 
     @classmethod
     def parse(cls, given: "SpeculativeConfig | dict | str") -> "SpeculativeConfig":
-        """From a config, a dict or vLLM's JSON text; an unknown key names the known ones."""
+        """From a config, a dict or vLLM's JSON text; an unknown key names the known ones. A model
+        without a method is a draft model, as in vLLM."""
         if isinstance(given, cls):
             return given
         if isinstance(given, str):
@@ -209,9 +216,11 @@ class SpeculativeConfig:
         unknown = sorted(set(given) - set(known))
         _require(not unknown, f"speculative_config has unknown keys {unknown}; known: {known}")
         for key, value in given.items():
-            kind = str if key == "method" else int
+            kind = str if key in ("method", "model") else int
             _require(isinstance(value, kind) and not isinstance(value, bool),
                      f"speculative_config {key}={value!r} must be {'a string' if kind is str else 'an integer'}")
+        if "model" in given and "method" not in given:
+            given = {**given, "method": "draft_model"}
         return cls(**given)
 
 

@@ -47,15 +47,17 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     num_segments: int
     leaves: tuple[Array, ...]  # the StepInput's arrays in pytree order
     decode_len: int = 1
+    model: int = 0             # whose runner: 0 the target's, 1 the speculative draft model's
 
 
 class CopyPages(msgspec.Struct, tag="copy", frozen=True):
     source: Array
     destination: Array
+    model: int = 0
 
 
 class ResetPool(msgspec.Struct, tag="reset", frozen=True):
-    pass
+    model: int = 0
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):

@@ -259,7 +259,7 @@ def _follow(config: EngineConfig) -> int:
 
     keys = _keys(config)
     engine = LLMEngine(config)
-    return distributed.follow(engine.runner.replay, distributed.control_address(config.coordinator_address),
+    return distributed.follow(engine.replay, distributed.control_address(config.coordinator_address),
                               config.process_id, FOLLOWER_TIMEOUT_S, _fingerprint(engine), keys)
 
 

@@ -82,12 +82,14 @@ def engine_tokens(model, mesh: str) -> np.ndarray:
     return np.array([done[i] + [-1] * (16 - len(done[i])) for i in ids])   # -1: a constrained sample ended
 
 
-def speculative_tokens(model, mesh: str) -> np.ndarray:
-    """[2 engines, 8 requests, 24 tokens]: without and with n-gram speculation, copy-heavy prompts
-    over the data slices, greedy and seeded; then the tokens accepted with speculation."""
+def speculative_tokens(model, mesh: str) -> tuple[np.ndarray, np.ndarray]:
+    """[3 engines, 8 requests, 24 tokens]: without speculation, with n-gram drafts and with the model
+    drafting for itself, copy-heavy prompts over the data slices, greedy and seeded; then the
+    drafts proposed and accepted by each speculating engine."""
     copy = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3
-    tokens = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+    tokens, drafted = [], []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3},
+                 {"model": str(model.path), "num_speculative_tokens": 3}):
         engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
                                         max_model_len=128, speculative_config=spec), model=model)
         ids = [engine.add_request(copy[i:] + [i], SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True,
@@ -97,7 +99,9 @@ def speculative_tokens(model, mesh: str) -> np.ndarray:
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         tokens.append([done[i] for i in ids])
-    return np.array(tokens), np.array(engine.stats().spec_decode_num_accepted_tokens)
+        stats = engine.stats()
+        drafted.append([stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens])
+    return np.array(tokens), np.array(drafted[1:])
 
 
 def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str,
@@ -112,7 +116,7 @@ def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization:
         if with_engine:
             results[f"tokens_{mesh}"] = engine_tokens(model, mesh)
         if speculative and mesh != "1x1":   # each mesh against itself without drafts
-            results[f"speculative_{mesh}"], results[f"accepted_{mesh}"] = speculative_tokens(model, mesh)
+            results[f"speculative_{mesh}"], results[f"drafted_{mesh}"] = speculative_tokens(model, mesh)
     np.savez(out, **results)
 
 

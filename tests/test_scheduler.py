@@ -6,6 +6,7 @@ import re
 import pytest
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -13,8 +14,10 @@ from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=4, budget=32, segment=8, caching=True, **config):
+    spec = config.get("speculative")
     return Scheduler(SchedulerConfig(max_num_seqs, budget, segment, **config),
-                     PageAllocator(num_pages, page_size, caching))
+                     PageAllocator(num_pages, page_size, caching), proposer=spec and NgramProposer(
+                         spec.prompt_lookup_min, spec.prompt_lookup_max))
 
 
 def request(name, prompt_len, max_tokens=4):

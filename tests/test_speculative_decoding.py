@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram) through the engine on tiny random models: the tokens, logprobs,
-texts and finish reasons of the engine without speculation, several tokens a step, every page back."""
+"""Speculative decoding (n-gram and draft models) through the engine on tiny random models: the
+tokens, logprobs, texts and finish reasons of the engine without speculation, several tokens a
+step, every page back."""
 
 import numpy as np
 import pytest
@@ -122,6 +123,15 @@ def test_preemption_prefix_caching_and_priorities_keep_the_tokens(tiny, plain):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_decode_num_accepted_tokens > 0
 
 
+def test_a_one_token_prompt_speculates_from_its_first_step(plain, spec, self_drafting):
+    requests = [([5], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+    expected, _ = run(plain, requests)
+    before = drafted(self_drafting)
+    assert samples(run(spec, requests)[0]) == samples(expected)
+    assert samples(run(self_drafting, requests)[0]) == samples(expected)
+    assert drafted(self_drafting)[1] > before[1]
+
+
 def test_no_drafts_above_the_batch_size_cut_off(tiny):
     engine = LLMEngine(EngineConfig(**CONFIG, speculative_config={**NGRAM, "disable_by_batch_size": 1}), model=tiny)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -150,7 +160,8 @@ def test_counters_move_by_the_drafts_kept(spec):
 
 
 @pytest.mark.parametrize("config, message", [
-    (dict(method="eagle"), r"method='eagle' is not one of \('ngram'"),
+    (dict(method="eagle"), r"method='eagle' is not one of \('ngram', 'draft_model'\)"),
+    (dict(method="draft_model"), "method draft_model needs a model"),
     (dict(num_speculative_tokens=0), r"num_speculative_tokens=0 must be in \[1, 16\]"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), "must satisfy 1 <= min <= max"),
     (dict(num_speculative_tokens="4"), "num_speculative_tokens='4' must be an integer"),
@@ -165,6 +176,8 @@ def test_bad_speculative_configs_are_refused_with_the_value(config, message):
 def test_the_config_parses_vllms_json():
     config = EngineConfig(**CONFIG, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    config = EngineConfig(**CONFIG, speculative_config='{"model": "draft-dir", "num_speculative_tokens": 5}')
+    assert config.speculative_config.method == "draft_model"   # a model without a method, as in vLLM
 
 
 def test_the_pallas_backend_verifies_drafts_as_xla_does(tiny, plain):
@@ -176,3 +189,75 @@ def test_the_pallas_backend_verifies_drafts_as_xla_does(tiny, plain):
     expected, _ = run(plain, requests)
     assert samples(run(pallas, requests)[0]) == samples(expected)
     assert drafted(pallas)[1] > 0
+
+
+# ---- draft models -------------------------------------------------------------------------------
+
+def draft_config(directory, **extra):
+    return EngineConfig(**CONFIG, speculative_config={"method": "draft_model", "model": str(directory),
+                                                      "num_speculative_tokens": 3, **extra})
+
+
+@pytest.fixture(scope="module")
+def self_drafting(tiny, tiny_models):
+    """The target as its own draft: every proposal is the target's own sample."""
+    return LLMEngine(draft_config(tiny_models("llama")[0]), model=tiny)
+
+
+def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_drafting):
+    bias = {10: 6.0, 11: 6.0, 12: 6.0}
+    requests = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in PROMPTS] + [
+        (COPY, SamplingParams(temperature=1.0, seed=9, top_p=0.9, max_tokens=30, ignore_eos=True, logit_bias=bias)),
+        (PROMPTS[2], SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True, n=2))]
+    before = drafted(self_drafting)
+    expected, _ = run(plain, requests)
+    got, streamed = run(self_drafting, requests)
+    assert samples(got) == samples(expected)
+    proposed, accepted = np.subtract(drafted(self_drafting), before)
+    assert proposed > 0 and accepted == proposed   # acceptance rate 1.0, sampled requests too
+    assert max(len(s) for s in streamed) < 30 / 2  # 1 + 3 tokens a step, less at the start and the end
+
+
+def test_a_random_draft_is_mostly_rejected_and_changes_no_token(tiny, tiny_models, plain):
+    engine = LLMEngine(draft_config(tiny_models("smollm2_tied")[0]), model=tiny)
+    requests = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in PROMPTS]
+    requests.append((COPY, SamplingParams(temperature=0.7, seed=4, max_tokens=30, ignore_eos=True,
+                                          stop=["a"], repetition_penalty=1.2)))
+    expected, _ = run(plain, requests)
+    got, _ = run(engine, requests)
+    assert samples(got) == samples(expected)
+    proposed, accepted = drafted(engine)
+    assert proposed > 0 and accepted < proposed / 2
+
+
+def test_the_draft_recomputes_what_preemption_and_rejections_took(tiny, tiny_models, plain):
+    """A small pool preempts; the draft's K/V follows each request's kept tokens (or its proposals
+    would no longer all be accepted) and its pages are the target's, all back at the end."""
+    engine = LLMEngine(EngineConfig(**{**CONFIG, "num_pages": 24}, speculative_config={
+        "model": str(tiny_models("llama")[0]), "num_speculative_tokens": 3}), model=tiny)
+    requests = [(COPY[i:] + [i], SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True)) for i in range(6)]
+    expected, _ = run(plain, requests)
+    got, _ = run(engine, requests)
+    assert samples(got) == samples(expected)
+    proposed, accepted = drafted(engine)
+    assert engine.stats().num_preemptions > 0 and accepted == proposed > 0
+
+
+@pytest.mark.parametrize("variant, overrides, message", [
+    ("qwen3", {}, None),   # its vocabulary matches: accepted
+    ("llama", dict(vocab_size=1000), "vocabulary of 1000 tokens, the target 49152"),
+    ("llama", dict(max_position_embeddings=64), "context of 64 tokens, shorter than max_model_len=128"),
+])
+def test_a_draft_must_share_the_vocabulary_and_hold_the_context(variant, overrides, message, tiny, tmp_path,
+                                                                  smollm2_tokenizer):
+    from conftest import write_tiny_model
+
+    from jaxserve.engine.draft_model import check_draft
+
+    write_tiny_model(tmp_path, variant, smollm2_tokenizer, **overrides)
+    draft = load_model(str(tmp_path), "float32")
+    if message is None:
+        check_draft(draft, tiny, 128)
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_draft(draft, tiny, 128)

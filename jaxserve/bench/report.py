@@ -35,8 +35,22 @@ def print_table(summary: dict) -> None:
         print(f"  server: {counters.get('prefix_cache_queries', 0):.0f} prompt tokens looked up in the prefix cache"
               + (f", {hits:.1%} found" if hits is not None else "")
               + f"; {counters.get('num_preemptions', 0):.0f} preemptions")
+    acceptance = _speculation(counters)
+    if acceptance:
+        print(f"  speculative decoding: {acceptance}")
     for error in summary["errors"]:
         print(f"  error: {error}")
+
+
+def _speculation(counters: dict[str, float]) -> str | None:
+    """Acceptance rate (drafts kept / proposed) and mean accepted length (tokens per verifying
+    step, the bonus token included), vLLM's two figures."""
+    proposed, drafts = counters.get("spec_decode_num_draft_tokens"), counters.get("spec_decode_num_drafts")
+    if not proposed:
+        return None
+    accepted = counters["spec_decode_num_accepted_tokens"]
+    return (f"{drafts:.0f} drafts of {proposed:.0f} tokens, acceptance rate {accepted / proposed:.3f}, "
+            f"mean accepted length {1 + accepted / drafts:.2f}")
 
 
 def print_workload_comparison(summaries: list[dict], labels: list[str]) -> None:
@@ -47,11 +61,12 @@ def print_workload_comparison(summaries: list[dict], labels: list[str]) -> None:
     print(f"\ncomparison, {Path(first['workload']).name}, {_mode(first)}, {first['requests']} requests each; "
           f"{warmup}; server start-up not timed; latencies in ms")
     width = max(len("configuration"), *(len(label) for label in labels)) + 2
-    columns = ("out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "prefix hit", "preempt", "failed")
+    columns = ("out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
+               "prefix hit", "preempt", "failed")
     print(f"  {'configuration':<{width}}" + "".join(f"{c:>11}" for c in columns))
 
     def values(s: dict) -> list[float | None]:
-        return [s["output_tokens_per_s"], s["requests_per_s"], *(s[key][p] for key in ("ttft_s", "itl_s")
+        return [s["output_tokens_per_s"], s["requests_per_s"], *(s[key][p] for key in ("ttft_s", "tpot_s", "itl_s")
                                                                  for p in ("p50", "p99"))]
 
     for label, summary in zip(labels, summaries):
@@ -66,6 +81,10 @@ def print_workload_comparison(summaries: list[dict], labels: list[str]) -> None:
         ratios = [a / b if a is not None and b else None for a, b in zip(values(summary), values(first))]
         print(f"  {label.split()[0] + ' / ' + labels[0].split()[0]:<{width}}"
               + "".join(f"{r:>10.2f}x" if r is not None else f"{'-':>11}" for r in ratios))
+    for label, summary in zip(labels, summaries):
+        acceptance = _speculation(summary["server_counters"])
+        if acceptance:
+            print(f"  {label.split()[0]} speculative decoding: {acceptance}")
 
 
 def plot(results: list, summary: dict, path: Path) -> bool:

@@ -5,7 +5,8 @@
     jaxserve bench serve ... --request-rate 4          # Poisson arrivals, 4 requests/s
 
 Every request streams, asks for the workload line's `max_tokens` with `ignore_eos: true` and
-greedy sampling, so every system makes the same number of tokens. Per request it measures the
+greedy sampling, so every system makes the same number of tokens (`--eos`: ended by EOS, as
+copy-edit.jsonl is meant to be sent; greedy, so every system still makes the same tokens). Per request it measures the
 time to first token (TTFT), the time per output token after the first (TPOT), the gaps between
 streamed chunks (ITL) and the end-to-end latency; it prints p50/p95/p99 of each, requests/s and
 output tokens/s, and writes a JSON result and (with matplotlib) a PNG of the distributions.
@@ -30,6 +31,12 @@ two (prefix caching off, so that the second replay does not find the first one's
 
     jaxserve bench serve --workload ../shared/workloads/anchor-64.jsonl --concurrency 16 \
         --structured regex --compare-plain --launch "--no-enable-prefix-caching"
+
+Speculative decoding, with and without, in one run (the table adds its acceptance rate and mean
+accepted length, from the server's counters):
+
+    jaxserve bench serve --workload ../shared/workloads/copy-edit.jsonl --eos --concurrency 1 \
+        --launch "" --launch "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"
 
 `--scenario long-prompt` measures how long one long prompt stalls running streams instead (see
 jaxserve.bench.long_prompt).
@@ -57,7 +64,8 @@ from jaxserve.bench.launch import LaunchedServer, ServerFailedError
 from jaxserve.bench.offline import read_workload
 from jaxserve.bench.report import PERCENTILES, plot, print_table, print_workload_comparison
 
-COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # jaxserve's, on /metrics
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",   # jaxserve's, on /metrics
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 @dataclasses.dataclass
@@ -77,9 +85,9 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def request_body(row: dict, model: str, send_text: bool, structured: str = "off") -> dict:
+def request_body(row: dict, model: str, send_text: bool, structured: str = "off", eos: bool = False) -> dict:
     body = {"model": model, "prompt": row["prompt_text"] if send_text else row["prompt_token_ids"],
-            "max_tokens": row["max_tokens"], "ignore_eos": True, "temperature": 0, "stream": True,
+            "max_tokens": row["max_tokens"], "ignore_eos": not eos, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if structured == "json":
         return {**body, "structured_outputs": {"json": row_schema(row)}}
@@ -141,7 +149,8 @@ async def run(rows: list[dict], url: str, model: str, args) -> tuple[list[Result
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         async def one(row: dict) -> Result:
             async with limit:
-                result = await send(session, url, request_body(row, model, args.send_text, args.constrained), row)
+                result = await send(session, url, request_body(row, model, args.send_text, args.constrained,
+                                                               args.eos), row)
             bar.update(1)
             return result
 
@@ -315,6 +324,8 @@ def parse_args(argv=None, prog: str = "jaxserve bench serve") -> argparse.Namesp
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--send-text", action="store_true", help="send prompt_text instead of token ids")
+    parser.add_argument("--eos", action="store_true", help="end requests at EOS (default: ignored, so every "
+                                                            "request makes its max_tokens)")
     parser.add_argument("--structured", choices=("off", "json", "regex"), default="off",
                         help="constrain every request: a JSON schema each, or a never-ending regex (see above)")
     parser.add_argument("--compare-plain", action="store_true", help="replay unconstrained first and compare")

@@ -12,6 +12,10 @@
                                preempting the worst-ranked request if none are free; counts the
                                chunks as computed and their samples as placeholders
                                -> one SchedulerOutput
+                               speculative decoding: a step of at most disable_by_batch_size
+                               decodes gives each one up to K drafts from the Proposer (n-gram
+                               lookup, or a draft model's own runner), computed with its last
+                               token in a decode slot of 1 + K tokens, sampled after each
         Grammars.fill_masks()  constrained samples (structured outputs, structured_output.py):
                                llguidance fills each one's allowed-token bitmask, in parallel;
                                the SchedulerOutput carries them (token_masks)
@@ -29,7 +33,9 @@
                                steps without them)
         Runner.collect()       waits for step N's tokens
         Scheduler.update()     registers each request's full pages (to its chunk's end) in the prefix
-                               cache, appends its token, forks the other samples of a prompt,
+                               cache, appends its token (after drafts, the samples up to the first
+                               that differs from its draft: rejection_sampler.py), forks the other
+                               samples of a prompt,
                                finishes and frees the pages of requests that hit EOS, a stop id
                                or max_tokens
         matcher.consume_token() moves each constrained sample's grammar on; a complete grammar
@@ -43,7 +49,7 @@ least-loaded one; the runner lays the slices out side by side. Over several proc
 runner sends every device call to the others, which replay it (`jaxserve.distributed`).
 
 Host-side modules (request, page_allocator, scheduler, data_slices, scheduler_output,
-structured_output) use no JAX; device work
-is in batch (array layout), step, sampler, prompt_logprobs and the models package. There are no prefill and decode
+structured_output, ngram_proposer, rejection_sampler) use no JAX; device work is in batch (array
+layout), step, sampler, prompt_logprobs, draft_model and the models package. There are no prefill and decode
 phases: every request has `num_computed_tokens`, and a step computes some of what is left.
 """

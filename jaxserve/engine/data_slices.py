@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
+from jaxserve.engine.scheduler import Proposer, Scheduler, SchedulerConfig, SchedulerCounters
 from jaxserve.engine.scheduler_output import SchedulerOutput
 
 
@@ -29,8 +29,8 @@ def _add(values: Iterable):
 
 
 class SlicedScheduler:
-    def __init__(self, config: SchedulerConfig, allocators: list[PageAllocator]):
-        self.slices = [Scheduler(config, allocator, data_slice=i) for i, allocator in enumerate(allocators)]
+    def __init__(self, config: SchedulerConfig, allocators: list[PageAllocator], proposer: Proposer | None = None):
+        self.slices = [Scheduler(config, allocator, i, proposer) for i, allocator in enumerate(allocators)]
         self.pages_per_slice = allocators[0].num_pages
         self._slice_of: dict[str, int] = {}
 

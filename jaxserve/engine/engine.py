@@ -28,17 +28,20 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxserve.checkpoint.loader import LoadedModel, load_model
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.device_calls import DeviceCall
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.output import CompletionOutput, RequestMetrics, RequestOutput, SampleText, TokenLogprob
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
+from jaxserve.engine.draft_model import DraftModelProposer, check_draft
 from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
+from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.runner import Followers, LaunchedStep, Runner, speculative_buckets
 from jaxserve.engine.sampler import row_seed
 from jaxserve.engine.structured_output import Grammars, pack_tokens
-from jaxserve.engine.scheduler import SchedulerConfig
+from jaxserve.engine.scheduler import Proposer, SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.host_memory import keep_freed_memory
@@ -177,16 +180,19 @@ class LLMEngine:
                              kv_cache_dtype=config.kv_cache_dtype, speculative_buckets=speculative_buckets(
                                  min(spec.disable_by_batch_size, config.max_num_seqs), spec.num_speculative_tokens,
                                  config.max_num_batched_tokens) if spec else [])
+        draft = self._load_draft(spec)
+        draft_bytes = kv_pool.bytes_per_page(draft.config, config.page_size, kv_dtype) if draft else 0
         pages, source = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices,
-                                          self._memory_budget())
+                                          self._memory_budget(), extra_bytes_per_page=draft_bytes)
         self.runner.allocate_pool(pages)
+        self.proposer = self._proposer(spec, draft, pages, followers)
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
                            for _ in range(num_slices)]
         self.scheduler = SlicedScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
                             config.enable_chunked_prefill, config.scheduling_policy,
                             config.priority_max_wait_steps, spec),
-            self.allocators)
+            self.allocators, self.proposer)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
                                  config.max_structured_output_bytes)
@@ -199,13 +205,44 @@ class LLMEngine:
         self._in_flight: _Launched | None = None   # async scheduling: the step launched, not read back
         log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s), from %s", num_slices, pages - 1,
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
-                 * kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) / 2**30, kv_dtype.name,
-                 source)
+                 * (kv_pool.bytes_per_page(self.model.config, config.page_size, kv_dtype) + draft_bytes) / 2**30,
+                 kv_dtype.name + (" with the draft model's pages" if draft else ""), source)
         if spec:
             log.info("speculative decoding: %s", spec)
         started = time.perf_counter()
         self.runner.warm_up(progress)
-        log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets), time.perf_counter() - started)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.runner.warm_up()
+        log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets)
+                 + (len(self.proposer.runner.buckets) if draft else 0), time.perf_counter() - started)
+
+    def _load_draft(self, spec: SpeculativeConfig | None) -> LoadedModel | None:
+        """The draft model of method draft_model, in the target's dtype and on its mesh, checked."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft = load_model(spec.model, self.config.dtype, self.model.mesh)
+        check_draft(draft, self.model, self.max_model_len)
+        log.info("draft model %s: %.1f MiB of weights", draft.path, draft.weight_bytes / 2**20)
+        return draft
+
+    def _proposer(self, spec: SpeculativeConfig | None, draft: LoadedModel | None, pages: int,
+                  followers: Followers | None) -> Proposer | None:
+        if spec is None:
+            return None
+        if draft is None:
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        config, max_num_seqs = self.config, min(spec.disable_by_batch_size, self.config.max_num_seqs)
+        runner = Runner(draft, pages, config.page_size, self.max_model_len, max_num_seqs,
+                        config.max_num_batched_tokens, config.prefill_chunk,
+                        attention_backend=config.attention_backend, followers=followers,
+                        kv_cache_dtype=config.kv_cache_dtype, model_index=1)
+        return DraftModelProposer(runner, max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk)
+
+    def replay(self, call: DeviceCall) -> None:
+        """A follower process makes a device call of process 0's target or draft model runner."""
+        runner = self.proposer.runner if getattr(call, "model", 0) == 1 and isinstance(
+            self.proposer, DraftModelProposer) else self.runner
+        runner.replay(call)
 
     def _memory_budget(self) -> PoolBudget | None:
         """What the devices have left for the pool, after the weights and the largest step, when no

@@ -66,16 +66,17 @@ def _pool_bytes(config: EngineConfig, budget: PoolBudget | None) -> tuple[float,
 
 
 def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: int, num_slices: int = 1,
-              budget: PoolBudget | None = None) -> tuple[int, str]:
+              budget: PoolBudget | None = None, extra_bytes_per_page: int = 0) -> tuple[int, str]:
     """(pages per data slice, its page 0 included; where the size comes from), the pool split evenly
     between `num_slices`. `budget`: the memory left on the devices when `sized_by_budget`. Fails if
-    one max-length sequence cannot fit in a slice."""
+    one max-length sequence cannot fit in a slice. `extra_bytes_per_page`: a draft model's pool,
+    page for page beside the target's, shares the bytes."""
     if config.num_pages is not None:
         total, flag = config.num_pages, "--num-pages"
         source = f"num_pages={total}"
     else:
         size, source, flag = _pool_bytes(config, budget)
-        total = int(size // bytes_per_page(model, config.page_size, dtype))
+        total = int(size // (bytes_per_page(model, config.page_size, dtype) + extra_bytes_per_page))
         source += f": {total} pages"
     pages = total // num_slices
     if num_slices > 1:
@@ -86,7 +87,8 @@ def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: in
             f"the KV pool is too small: {source} holds {max(pages - 1, 0) * config.page_size} tokens per slice, "
             f"but one sequence of max_model_len={max_model_len} needs {needed - 1} pages of {config.page_size} "
             f"tokens plus the reserved page 0 ({needed} pages, "
-            f"{needed * bytes_per_page(model, config.page_size, dtype) / 2**30:.3f} GiB); raise {flag} "
+            f"{needed * (bytes_per_page(model, config.page_size, dtype) + extra_bytes_per_page) / 2**30:.3f} GiB); "
+            f"raise {flag} "
             f"or lower --max-model-len")
     return pages, source
 

@@ -25,3 +25,14 @@ def propose(prompt: Sequence[int], output: Sequence[int], num_tokens: int, min_n
             start = int(hits[-1]) + n
             return tuple(tokens[start:start + num_tokens].tolist())
     return ()
+
+
+class NgramProposer:
+    """The scheduler's `Proposer` for method ngram."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests, rooms: list[int], tables, data_slice: int) -> list[tuple[int, ...]]:
+        return [propose(r.prompt_token_ids, r.output_token_ids, room, self.min_n, self.max_n)
+                for r, room in zip(requests, rooms)]

@@ -49,6 +49,7 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0   # counted when a step is scheduled (its K/V is written by then)
     num_placeholders: int = 0       # sampled by a launched step, not read back yet
+    num_draft_computed_tokens: int = 0   # speculative decoding: tokens whose K/V a draft model holds
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_index: int = 0          # set by the scheduler: its order of arrival

@@ -126,9 +126,10 @@ class Runner:
     def __init__(self, model, pages_per_slice: int | None, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
                  attention_backend: str = "xla", followers: Followers | None = None, kv_cache_dtype: str = "auto",
-                 speculative_buckets: list[Bucket] = ()):
+                 speculative_buckets: list[Bucket] = (), model_index: int = 0):
         self.model = model
         self.followers = followers
+        self.model_index = model_index   # in device calls sent to followers: 0 the target, 1 a draft model
         self.attention_backend = resolve_backend(attention_backend)
         self.kv_dtype = kv_pool.resolve_kv_dtype(kv_cache_dtype, model.dtype)
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
@@ -285,7 +286,8 @@ class Runner:
     def _run_step(self, batch: StepInput, bucket: Bucket):
         if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
-                                      tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len))
+                                      tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len,
+                                      self.model_index))
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
                                                                    self._place(batch))
         return samples, prompt
@@ -300,7 +302,7 @@ class Runner:
 
     def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
         if self.followers is not None:
-            self._tell_followers(CopyPages(Array.of(source), Array.of(destination)))
+            self._tell_followers(CopyPages(Array.of(source), Array.of(destination), self.model_index))
         self.kv_pages = self._copy_pages(self.kv_pages, source, destination)
 
     def _place(self, batch: StepInput) -> StepInput:
@@ -345,7 +347,7 @@ class Runner:
 
     def reset_pool(self) -> None:
         """A new, empty pool (and no placeholders to read) after a failed step lost the old one."""
-        self._tell_followers(ResetPool())
+        self._tell_followers(ResetPool(self.model_index))
         self._sampled, self._sampled_rows = self._new_sampled(), {}
         k = self.kv_pages.k
         self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2] // self.num_slices, k.shape[3],

@@ -28,11 +28,12 @@ the running request of the worst rank is preempted: its pages are freed and it w
 recompute its prompt and its outputs so far when it is readmitted (nothing already returned is
 returned again; with prefix caching most of it is found in the cache).
 
-Speculative decoding (n-gram): in a step of decodes only, with at most `disable_by_batch_size`
-sequences, each decoding request whose tokens end in an n-gram seen before gets the tokens that
-followed it as drafts: its chunk is its last token and up to K drafts, whose pages it takes if
-they are free (never by preempting). When the step is read back, the drafts the target's own
-samples confirm count as computed and the pages past its end go back to the pool.
+Speculative decoding: in a step of decodes only, with at most `disable_by_batch_size` sequences,
+each decoding request may get up to K drafts (fewer near its max_tokens or the context), from the
+`Proposer` (n-gram lookup, or a draft model's device calls): its chunk is its last token and the
+drafts, whose pages it takes if they are free (never by preempting); the pages of drafts not
+proposed go back at once. When the step is read back, the drafts the target's own samples confirm
+count as computed and the pages past its end go back to the pool.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from jaxserve.config import SpeculativeConfig
-from jaxserve.engine import ngram_proposer
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request, RequestStatus
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -86,9 +87,22 @@ class SchedulerCounters:
     spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)   # [i]: at draft i
 
 
+class Proposer(Protocol):
+    """Speculative drafts for decoding requests (`jaxserve.engine.ngram_proposer`, `.draft_model`)."""
+
+    def propose(self, requests: list[Request], rooms: list[int], tables: list[list[int]],
+                data_slice: int) -> list[tuple[int, ...]]:
+        """Up to rooms[i] tokens to follow requests[i]'s tokens (its last one included, which this
+        step computes); tables[i]: its pages, with room for the drafts. A draft model writes its
+        own K/V there, in a pool of its own, and records how far in `num_draft_computed_tokens`."""
+        ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, data_slice: int = 0):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, data_slice: int = 0,
+                 proposer: Proposer | None = None):
         self.config = config
+        self.proposer = proposer        # given with config.speculative
         self.allocator = allocator
         self.data_slice = data_slice    # the mesh's data slice whose part of the pool `allocator` manages
         self.waiting: list[Request] = []
@@ -183,7 +197,7 @@ class Scheduler:
         if len(scheduled) > spec.disable_by_batch_size or any(
                 n != 1 or r.num_placeholders for r, n in scheduled.values()):
             return {}
-        drafts = {}
+        candidates, rooms = [], []
         for request_id, (request, _) in scheduled.items():
             p = request.params
             # min_tokens masks EOS per position, a grammar needs each token's state: not speculated
@@ -191,19 +205,24 @@ class Scheduler:
                        (p.max_tokens or request.max_total_tokens) - request.num_output_tokens - 1)
             if room < 1 or p.structured_outputs is not None or request.num_output_tokens < p.min_tokens:
                 continue
-            proposed = ngram_proposer.propose(request.prompt_token_ids, request.output_token_ids, room,
-                                              spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if not proposed:
-                continue
-            extra = self.allocator.allocate(request_id, request.num_tokens + len(proposed),
+            extra = self.allocator.allocate(request_id, request.num_tokens + room,
                                             write_from=request.num_computed_tokens)
             if extra is None:
                 continue
-            copies[request_id] += extra
-            drafts[request_id] = proposed
-            budget -= len(proposed)
-            self.counters.spec_decode_num_drafts += 1
-            self.counters.spec_decode_num_draft_tokens += len(proposed)
+            copies.setdefault(request_id, []).extend(extra)   # admitted this step: none yet
+            candidates.append(request)
+            rooms.append(room)
+            budget -= room
+        if not candidates:
+            return {}
+        tables = [self.allocator.block_table(r.request_id) for r in candidates]
+        drafts = {}
+        for request, proposed in zip(candidates, self.proposer.propose(candidates, rooms, tables, self.data_slice)):
+            self.allocator.truncate(request.request_id, request.num_tokens + len(proposed))
+            if proposed:
+                drafts[request.request_id] = proposed
+                self.counters.spec_decode_num_drafts += 1
+                self.counters.spec_decode_num_draft_tokens += len(proposed)
         return drafts
 
     @staticmethod
@@ -256,6 +275,9 @@ class Scheduler:
         while True:
             copies = self.allocator.allocate(request.request_id, request.num_computed_tokens + num_tokens,
                                              write_from=request.num_computed_tokens)
+            if copies:   # a draft model's K/V is not copied: it recomputes the copied pages' tokens
+                page_start = request.num_computed_tokens // self.allocator.page_size * self.allocator.page_size
+                request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, page_start)
             if copies is not None:
                 return copies
             victim = max(self.running, key=self.rank)
@@ -267,7 +289,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.allocator.free(request.request_id)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed_tokens = 0
         request.num_placeholders = 0   # its launched sample is dropped when read back, and made again
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
