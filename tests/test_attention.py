@@ -66,8 +66,10 @@ def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, sta
         k_pool[:, :, 1:], v_pool[:, :, 1:] = stale, stale   # page 0, padding's, is never a request's
     layer = 1
     sequences, new_q, new_k, new_v, expected = [], [], [], [], []
-    for i in range(int(rng.integers(1, 7))):
-        q_len = int(rng.choice([1, 1, 3, 8, 21] + [2, 3, 5] * (max_drafts > 0)))
+    # with drafts: a prompt chunk and a decode with drafts first, so the two groups always meet
+    forced = [21, 4] if max_drafts else []
+    for i in range(int(rng.integers(1, 7)) + len(forced)):
+        q_len = forced[i] if i < len(forced) else int(rng.choice([1, 1, 3, 8, 21] + [2, 3, 5] * (max_drafts > 0)))
         drafts = (0,) * (q_len - 1) if q_len <= 1 + max_drafts else ()
         kv_len = q_len + int(rng.integers(0, 40))
         table = [int(free_pages.pop()) for _ in range(-(-kv_len // page_size))]

@@ -356,16 +356,16 @@ def test_rejected_drafts_return_their_pages():
             s.counters.spec_decode_num_accepted_tokens) == (1, 3, 0)
 
 
-def test_no_drafts_beside_a_prefill_above_the_batch_cut_off_or_past_max_tokens():
+def test_drafts_beside_a_prompt_chunk_none_above_the_batch_cut_off_or_past_max_tokens():
     s = speculating()
     s.add(repeating("a"))
     run_step(s, token=4)
     s.add(Request("new", [20, 21, 22, 23, 24], SamplingParams(max_tokens=4), seed=0, max_total_tokens=9))
-    assert not any(q.draft_token_ids for q in run_step(s, token=4).sequences)   # a prefill is in the step
+    decode, prompt = run_step(s, token=4).sequences         # the prompt's chunk left 32 - 8 tokens of budget
+    assert decode.draft_token_ids == (1, 2, 3) and prompt.draft_token_ids == ()
     s.add(repeating("b"))
-    s.add(repeating("c"))
     run_step(s, token=4)
-    assert len(run_step(s, token=4).sequences) == 4 and not s.counters.spec_decode_num_drafts
+    assert len(run_step(s, token=4).sequences) == 3 and s.counters.spec_decode_num_drafts == 1
     t = speculating()
     t.add(repeating("short", max_tokens=3))
     run_step(t, token=4)

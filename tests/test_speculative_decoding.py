@@ -132,6 +132,31 @@ def test_a_one_token_prompt_speculates_from_its_first_step(plain, spec, self_dra
     assert drafted(self_drafting)[1] > before[1]
 
 
+def test_decodes_speculate_beside_a_chunked_prompt(plain, spec, monkeypatch):
+    steps = []
+    launch = spec.runner.launch
+
+    def recording(output):
+        steps.append((any(not q.draft_token_ids and q.num_tokens > 1 for q in output.sequences),
+                      any(q.draft_token_ids for q in output.sequences)))
+        return launch(output)
+
+    monkeypatch.setattr(spec.runner, "launch", recording)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    requests = [(COPY, greedy), (list(range(200, 300)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
+    expected, _ = run(plain, requests)
+    ids = [spec.add_request(*requests[0])]
+    for _ in range(22):                            # into the copy's repetitions
+        spec.step()
+    ids.append(spec.add_request(*requests[1]))    # 100 prompt tokens: chunks over 2 steps of 64
+    final = {}
+    while spec.has_unfinished_requests():
+        final.update({o.request_id: o for o in spec.step() if o.finished})
+    assert samples([final[i] for i in ids]) == samples(expected)
+    assert (True, True) in steps, "a prompt chunk and drafts in one step"
+    assert spec.stats().kv_cache_usage == 0
+
+
 def test_no_drafts_above_the_batch_size_cut_off(tiny):
     engine = LLMEngine(EngineConfig(**CONFIG, speculative_config={**NGRAM, "disable_by_batch_size": 1}), model=tiny)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

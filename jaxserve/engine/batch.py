@@ -130,7 +130,7 @@ class BatchLayout:
                 row = decode.used * dl
                 at = row + decode.add(s.num_tokens, table, kv_chunks)
             else:
-                at = gd + prefill.used * seg + prefill.add(s.num_tokens, table, kv_chunks)
+                at = gd * dl + prefill.used * seg + prefill.add(s.num_tokens, table, kv_chunks)
                 row = next_prefill_row
                 next_prefill_row += s.samples
             chunks.append((int(at[0]), s.num_tokens, s.start_position + s.num_tokens, table))

@@ -179,7 +179,7 @@ class LLMEngine:
                              attention_backend=config.attention_backend, followers=followers,
                              kv_cache_dtype=config.kv_cache_dtype, speculative_buckets=speculative_buckets(
                                  min(spec.disable_by_batch_size, config.max_num_seqs), spec.num_speculative_tokens,
-                                 config.max_num_batched_tokens) if spec else [])
+                                 config.max_num_batched_tokens, config.prefill_chunk) if spec else [])
         draft = self._load_draft(spec)
         draft_bytes = kv_pool.bytes_per_page(draft.config, config.page_size, kv_dtype) if draft else 0
         pages, source = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices,

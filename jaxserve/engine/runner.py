@@ -64,13 +64,19 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int, segment: int) -
     return sorted(set(decode + mixed), key=_bucket_order(segment))
 
 
-def speculative_buckets(max_speculating_seqs: int, num_speculative_tokens: int,
-                        max_num_batched_tokens: int) -> list[Bucket]:
-    """Decode-only steps of 1, 2, 4, ... sequences each with a slot of 1 + K tokens, as many as the
-    token budget holds (the scheduler gives drafts only in such steps)."""
+def speculative_buckets(max_speculating_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int,
+                        segment: int) -> list[Bucket]:
+    """Steps whose decode slots hold 1 + K tokens (a last token and its drafts): 1, 2, 4, ... slots
+    alone, and all the slots beside 1, 2, 4, ... prefill segments (drafts beside a chunked prompt),
+    as many as the token budget holds (the scheduler gives drafts only in steps of at most
+    `max_speculating_seqs` sequences)."""
     slot = 1 + num_speculative_tokens
     most = min(max_speculating_seqs, max_num_batched_tokens // slot)
-    return [Bucket(d, 0, slot) for d in _powers(most)] if most >= 1 else []
+    if most < 1:
+        return []
+    decode = [Bucket(d, 0, slot) for d in _powers(most)]
+    mixed = [Bucket(most, p, slot) for p in _powers((max_num_batched_tokens - most) // segment) if p >= 1]
+    return decode + mixed
 
 
 def _bucket_order(segment: int):

@@ -28,8 +28,8 @@ the running request of the worst rank is preempted: its pages are freed and it w
 recompute its prompt and its outputs so far when it is readmitted (nothing already returned is
 returned again; with prefix caching most of it is found in the cache).
 
-Speculative decoding: in a step of decodes only, with at most `disable_by_batch_size` sequences,
-each decoding request may get up to K drafts (fewer near its max_tokens or the context), from the
+Speculative decoding: in a step of at most `disable_by_batch_size` sequences, each decoding
+request may get up to K drafts (fewer near its max_tokens or the context), from the
 `Proposer` (n-gram lookup, or a draft model's device calls): its chunk is its last token and the
 drafts, whose pages it takes if they are free (never by preempting); the pages of drafts not
 proposed go back at once. When the step is read back, the drafts the target's own samples confirm
@@ -191,14 +191,15 @@ class Scheduler:
 
     def _speculate(self, scheduled: dict[str, tuple[Request, int]], copies: dict[str, list[tuple[int, int]]],
                    budget: int) -> dict[str, tuple[int, ...]]:
-        """Drafts for the decodes of a step of decodes only and at most `disable_by_batch_size`
-        sequences, within the token budget left; pages for them only where free."""
+        """Drafts for the decodes of a step of at most `disable_by_batch_size` sequences (prompt
+        chunks among them or not), within the token budget left; pages for them only where free."""
         spec = self.config.speculative
-        if len(scheduled) > spec.disable_by_batch_size or any(
-                n != 1 or r.num_placeholders for r, n in scheduled.values()):
+        if len(scheduled) > spec.disable_by_batch_size or any(r.num_placeholders for r, _ in scheduled.values()):
             return {}
         candidates, rooms = [], []
-        for request_id, (request, _) in scheduled.items():
+        for request_id, (request, num_tokens) in scheduled.items():
+            if num_tokens != 1 or request.num_uncomputed_tokens != 1:
+                continue   # a prompt chunk
             p = request.params
             # min_tokens masks EOS per position, a grammar needs each token's state: not speculated
             room = min(spec.num_speculative_tokens, budget, request.max_total_tokens - request.num_tokens - 1,
