@@ -7,7 +7,7 @@
 The architecture is described in `jaxserve.engine`.
 """
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -15,6 +15,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from jaxserve.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from jaxserve.lora_request import LoRARequest
+        return LoRARequest
     if name == "SamplingParams":
         from jaxserve.sampling_params import SamplingParams
         return SamplingParams

@@ -258,6 +258,10 @@ class EngineConfig:
     async_scheduling: bool = True         # schedule and launch step N+1 before step N is read back
     speculative_config: SpeculativeConfig | None = None   # vLLM's: speculative decoding (also a dict or
                                           # its JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}')
+    enable_lora: bool = False             # serve LoRA adapters (PEFT) beside the base model
+    max_loras: int = 1                    # adapters resident on the device at once (slots)
+    max_lora_rank: int = 16               # the largest adapter rank; slots are padded to it
+    max_cpu_loras: int | None = None      # adapters kept in host memory (LRU); default max_loras
     scheduling_policy: str = "fcfs"       # fcfs, or priority (lower runs sooner, fcfs within a level)
     priority_max_wait_steps: int = 256    # steps a request may wait before it outranks every priority
     max_structured_output_bytes: int = 65536   # largest JSON schema, regex, grammar or choice list
@@ -332,6 +336,13 @@ class EngineConfig:
                  f"max_structured_output_bytes={self.max_structured_output_bytes} must be >= 1")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        _require(self.max_loras >= 1, f"max_loras={self.max_loras} must be >= 1")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank={self.max_lora_rank} must be >= 1")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _require(self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}: a resident "
+                 f"adapter is also kept in host memory")
         if isinstance(self.max_model_len, str):
             object.__setattr__(self, "max_model_len", parse_size(self.max_model_len, "max_model_len"))
         self._resolve_mesh()

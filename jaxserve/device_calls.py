@@ -60,6 +60,11 @@ class ResetPool(msgspec.Struct, tag="reset", frozen=True):
     model: int = 0
 
 
+class LoadLora(msgspec.Struct, tag="lora", frozen=True):
+    slot: int                   # the LoRA slot overwritten
+    leaves: tuple[Array, ...]   # each module's A then B, in the runner's module order
+
+
 class Stop(msgspec.Struct, tag="stop", frozen=True):
     pass
 
@@ -77,8 +82,8 @@ class Refused(msgspec.Struct, tag="refused", frozen=True):
     reason: str
 
 
-DeviceCall = Step | CopyPages | ResetPool | Stop
-Message = Step | CopyPages | ResetPool | Stop | Hello | Welcome | Refused
+DeviceCall = Step | CopyPages | ResetPool | LoadLora | Stop
+Message = Step | CopyPages | ResetPool | LoadLora | Stop | Hello | Welcome | Refused
 
 
 class Frame(msgspec.Struct, array_like=True, frozen=True):

@@ -8,6 +8,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import Beam, BeamSearch, BeamSearchParams, candidates, check_length, round_params
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output import RequestOutput
+from jaxserve.lora_request import LoRARequest
 from jaxserve.progress import progress_bar
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import chat_prompt_ids
@@ -30,14 +31,17 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Completes every prompt (text, or token ids); outputs come back in the prompts' order."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Completes every prompt (text, or token ids); outputs come back in the prompts' order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (engine with enable_lora)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(params) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params and {len(loras)} LoRA requests for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp, lora_request=lora) for p, sp, lora in zip(prompts, params, loras)]
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -65,6 +65,14 @@ HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
                           "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M, \"disable_by_batch_size\": B} "
                           "(defaults 4, 4, 1, 8; no drafts in steps of more than B sequences)",
+    "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model: a request's model names one",
+    "max_loras": "LoRA adapters on the device at once (a step mixes at most this many)",
+    "max_lora_rank": "the largest adapter rank served (device slots are padded to it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory, least recently used dropped first; none: --max-loras",
+    "lora_modules": "adapters served from the start: name=path, or JSON {\"name\": ..., \"path\": ..., "
+                    "\"base_model_name\": ...}; needs --enable-lora",
+    "enable_lora_runtime_updates": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read paths "
+                                   "on this host: keep them behind --api-key)",
     "scheduling_policy": "fcfs, or priority: lower 'priority' values run sooner",
     "priority_max_wait_steps": "steps a waiting request may wait before it outranks every priority",
     "mesh": "DxM devices, data x model (tensor) parallel; on a CPU host, that many host devices; none: "
@@ -115,8 +123,8 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 
 
 TYPES = {"max_model_len": _size("max_model_len"), "kv_cache_memory_bytes": _size("kv_cache_memory_bytes"),
-         "speculative_config": _speculative_config}
-NARGS = {"served_model_name": "+"}
+         "speculative_config": _speculative_config, "lora_modules": str}
+NARGS = {"served_model_name": "+", "lora_modules": "+"}
 CHOICES = {"dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES, "log_level": LOG_LEVELS,
            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
            "tool_call_parser": TOOL_CALL_PARSERS}
@@ -163,6 +171,8 @@ def parse_args(argv: list[str] | None = None,
         server = ServerConfig(**{f.name: args[f.name] for f in dataclasses.fields(ServerConfig)})
     except ValueError as error:
         parser.error(str(error))
+    if (server.lora_modules or server.enable_lora_runtime_updates) and not engine.enable_lora:
+        parser.error("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     name = server.served_model_name or model_name(engine.model)
     return engine, dataclasses.replace(server, served_model_name=name)
 
@@ -203,7 +213,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         stop.set()
 
     leader = _leader(engine_config, lambda message: loop.call_soon_threadsafe(lose, message))
-    engine = AsyncEngine(lambda: _build_engine(engine_config, leader))
+    engine = AsyncEngine(lambda: _build_engine(engine_config, leader, config))
     runner, port = await start_server(create_app(engine, config), config.host, config.port)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
@@ -243,13 +253,15 @@ def _fingerprint(engine) -> dict[str, str]:
     return distributed.fingerprint(engine.config, runner.model.params, runner.buckets, runner.kv_pages.k.shape)
 
 
-def _build_engine(config: EngineConfig, leader: "distributed.Leader | None"):
+def _build_engine(config: EngineConfig, leader: "distributed.Leader | None", server: ServerConfig):
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.progress import progress_bar
+    from jaxserve.server.lora_names import register_static
 
     engine = LLMEngine(config, progress=progress_bar("compiling"), followers=leader)
     if leader is not None:
         leader.wait_for_followers(FOLLOWER_TIMEOUT_S, _fingerprint(engine))
+    register_static(engine, server)   # a bad --lora-modules adapter fails the start
     return engine
 
 

@@ -48,6 +48,10 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)" + _PARTS, P(None, None, "model")),
     (r"layers/(q_bias|k_bias|v_bias|gate_bias|up_bias)", P(None, "model")),
     (r"layers/(o_proj|down_proj)" + _PARTS, P(None, "model", None)),
+    # LoRA slots [layers, slots, in, R] / [layers, slots, R, out]: B as its column-parallel base, A
+    # as its row-parallel base; the rest replicated
+    (r"lora/(q_proj|k_proj|v_proj|gate_proj|up_proj)/b", P(None, None, None, "model")),
+    (r"lora/(o_proj|down_proj)/a", P(None, None, "model", None)),
     (r".*", P()),                                                     # norms, output biases
 )
 KV_POOL_SPEC = P(None, "model", "data", None, None)                  # KV heads x pages
@@ -184,3 +188,21 @@ def _kv_heads(w: np.ndarray, layout: HeadLayout, hd: int) -> np.ndarray:
     w = np.repeat(w.reshape(*lead, layout.num_kv_heads, hd), layout.replicas, axis=-2)
     pad = [(0, 0)] * len(lead) + [(0, layout.pad_kv), (0, 0)]
     return np.pad(w, pad).reshape(*lead, layout.new_kv_heads * hd)
+
+
+def pad_lora_heads(cfg: ModelConfig, modules: dict[str, tuple[np.ndarray, np.ndarray]],
+                   model_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A LoRA adapter's A [L, in, r] / B [L, r, out] rearranged as `pad_heads` rearranges the base
+    weights (`cfg`: the base model's original head counts): q/k/v's B on their heads, o's A rows."""
+    layout = head_layout(cfg, model_size)
+    if layout.unchanged:
+        return modules
+    hd, out = cfg.head_dim, dict(modules)
+    for name, (a, b) in modules.items():
+        if name == "q_proj":
+            out[name] = (a, _query_heads(b, layout, hd))
+        elif name in ("k_proj", "v_proj"):
+            out[name] = (a, _kv_heads(b, layout, hd))
+        elif name == "o_proj":
+            out[name] = (np.swapaxes(_query_heads(np.swapaxes(a, 1, 2), layout, hd), 1, 2), b)
+    return out

@@ -94,3 +94,24 @@ def smollm2():
     """The embedded SmolLM2-135M-Instruct, loaded once: float32 compute over its own Q4_1 / Q8_0
     weights (`--quantization auto`)."""
     return load_model(None, "float32")
+
+
+ALL_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(base_dir, out_dir, targets=ALL_LORA_MODULES, r=4, alpha=8, seed=1, **extra):
+    """A random PEFT adapter (init_lora_weights=False: B is not zero) and the PeftModel it came from."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                                            **extra)).eval()
+    with torch.no_grad():   # peft's random init is small: make each adapter move the logits clearly
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4.0)
+    model.save_pretrained(out_dir)
+    return model

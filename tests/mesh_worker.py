@@ -1,8 +1,10 @@
 """Run by tests/test_sharding.py in a fresh process with 8 host devices: for each mesh, the paged
 logits of one prompt (prefill, then greedy decode steps), and with --engine the engine's greedy
-and seeded tokens, with --speculative those of an engine with n-gram speculation and without.
+and seeded tokens, with --speculative those of an engine with n-gram speculation and without,
+with --lora those of requests mixing the base model and the adapters.
 
     python tests/mesh_worker.py MODEL_DIR_OR_- OUT.npz 1x1,1x2,2x4 [--engine] [--speculative]
+                                [--lora ADAPTER_DIR,ADAPTER_DIR]
 """
 
 import sys
@@ -22,6 +24,7 @@ from jaxserve.engine.engine import LLMEngine  # noqa: E402
 from jaxserve.engine.kv_pages import allocate, resolve_kv_dtype  # noqa: E402
 from jaxserve.engine.runner import Runner  # noqa: E402
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+from jaxserve.lora_request import LoRARequest  # noqa: E402
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from jaxserve.sharding import KV_POOL_SPEC, mesh_from_config, sharding_for  # noqa: E402
 
@@ -104,8 +107,26 @@ def speculative_tokens(model, mesh: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array(tokens), np.array(drafted[1:])
 
 
+def lora_tokens(model, mesh: str, adapter_dirs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """[9 requests, 12 tokens]: the base model and each adapter on three prompts (two greedy, one
+    seeded), two adapters resident; then the LoRA slots whose sharding is not the rule table's."""
+    engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+                                    max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8), model=model)
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapter_dirs)]
+    ids = [engine.add_request(list(range(5 + p, 14 + 3 * p)), SamplingParams(temperature=0.8 * (p == 2), seed=p,
+                                                                              max_tokens=12, ignore_eos=True),
+                              lora_request=lora) for lora in loras for p in range(3)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    wrong = [f"lora/{m}/{part}" for m, pair in engine.runner.lora.items() for part, x in zip("ab", pair)
+             if model.mesh is not None and not x.sharding.is_equivalent_to(
+                 sharding_for(model.mesh, f"lora/{m}/{part}", x.shape), x.ndim)]
+    return np.array([done[i] for i in ids]), np.array(wrong)
+
+
 def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization: str, kv_cache_dtype: str,
-         speculative: bool = False) -> None:
+         speculative: bool = False, lora: str | None = None) -> None:
     results = {}
     for mesh in meshes.split(","):
         model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh), quantization)
@@ -117,6 +138,8 @@ def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization:
             results[f"tokens_{mesh}"] = engine_tokens(model, mesh)
         if speculative and mesh != "1x1":   # each mesh against itself without drafts
             results[f"speculative_{mesh}"], results[f"drafted_{mesh}"] = speculative_tokens(model, mesh)
+        if lora:
+            results[f"lora_{mesh}"], results[f"lora_misplaced_{mesh}"] = lora_tokens(model, mesh, lora.split(","))
     np.savez(out, **results)
 
 
@@ -125,4 +148,4 @@ if __name__ == "__main__":
     rest = [arg for arg in sys.argv[4:] if arg not in switches]
     flags = dict(zip(rest[::2], rest[1::2]))
     main(sys.argv[1], sys.argv[2], sys.argv[3], "--engine" in sys.argv, flags.get("--quantization", "auto"),
-         flags.get("--kv-cache-dtype", "auto"), "--speculative" in sys.argv)
+         flags.get("--kv-cache-dtype", "auto"), "--speculative" in sys.argv, flags.get("--lora"))

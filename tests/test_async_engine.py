@@ -92,9 +92,9 @@ def test_priority_is_passed_to_the_engine(tiny_engine, monkeypatch):
     add_request = tiny_engine.add_request
     seen = []
 
-    def record(prompt, params, request_id=None, priority=0):
+    def record(prompt, params, request_id=None, priority=0, lora_request=None):
         seen.append((request_id, priority))
-        return add_request(prompt, params, request_id, priority)
+        return add_request(prompt, params, request_id, priority, lora_request)
 
     monkeypatch.setattr(tiny_engine, "add_request", record)
 

@@ -22,7 +22,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.device_calls import Array, CopyPages, Hello, Outbox, ProtocolError, ResetPool, Step, Welcome
 from jaxserve.distributed import EngineMismatchError, Keys, Leader, follow, load_keys
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from conftest import write_adapter
 from server_fixtures import TINY_ENGINE, cli_flags, free_port, tiny_engine, wait_until_healthy  # noqa: F401
 
 # Few step shapes: two processes compile them all, on two cores.
@@ -191,7 +193,7 @@ def test_a_leader_without_its_followers_names_how_many_came():
 
 def test_a_replayed_step_must_have_the_runners_shapes(tiny_engine):
     runner = tiny_engine.runner
-    with pytest.raises(ProtocolError, match=r"bucket Bucket\(num_decode=3, num_segments=0\) is not one of"):
+    with pytest.raises(ProtocolError, match=r"bucket Bucket\(num_decode=3, num_segments=0, decode_len=1\) is not one of"):
         runner.replay(Step(3, 0, ()))
     with pytest.raises(ProtocolError, match="where this engine builds"):
         runner.replay(Step(1, 0, (Array.of(np.zeros(7, np.int32)),)))
@@ -212,8 +214,10 @@ def test_bad_process_settings_are_named(bad, message):
         EngineConfig(**bad)
 
 
-def _serve_command(directory, port: int, coordinator: str, process_id: int, cache: str, keys) -> list[str]:
+def _serve_command(directory, port: int, coordinator: str, process_id: int, cache: str, keys,
+                   adapter) -> list[str]:
     return [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
+            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a0={adapter}",
             "--mesh", "2x4", "--coordinator-address", coordinator, "--num-processes", "2",
             "--distributed-key-dir", str(keys),
             "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache,
@@ -228,14 +232,26 @@ def _greedy_tokens(url: str, prompt: str | list[int], max_tokens: int = 8, **ext
     return reply.json()["outputs"][0]["token_ids"]
 
 
+def _adapter_tokens(url: str, prompt: list[int]) -> list[int]:
+    reply = requests.post(f"{url}/v1/completions", json={"model": "a0", "prompt": prompt, "max_tokens": 8,
+                                                         "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["token_ids"]
+
+
 @pytest.mark.slow
 def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(tiny_models, tmp_path, keys):
     directory, _ = tiny_models("llama")
-    engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE))
+    write_adapter(directory, tmp_path / "adapter")   # its slot's weights go to the follower too
+    adapter = LoRARequest("a0", 1, str(tmp_path / "adapter"))
+    engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE, enable_lora=True, max_lora_rank=8))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
     ids.append(engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                              structured_outputs=StructuredOutputsParams(**WORDS))))
     ids.append(engine.add_request(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
+    ids.append(engine.add_request(COPY[:9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                  lora_request=adapter))
     expected = {}
     while engine.has_unfinished_requests():
         expected.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
@@ -243,14 +259,14 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
     cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
     logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
-    processes = [subprocess.Popen(_serve_command(directory, port, coordinator, i, cache, keys), stdout=logs[i],
-                                  stderr=subprocess.STDOUT) for i in range(2)]
+    processes = [subprocess.Popen(_serve_command(directory, port, coordinator, i, cache, keys, adapter.lora_path),
+                                  stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, processes[0], timeout=600)
         assert [_greedy_tokens(url, p) for p in PROMPTS] + [
             _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS),
-            _greedy_tokens(url, COPY, max_tokens=30)] == [expected[i] for i in ids]
+            _greedy_tokens(url, COPY, max_tokens=30), _adapter_tokens(url, COPY[:9])] == [expected[i] for i in ids]
         metrics = requests.get(f"{url}/metrics", timeout=10).text
         accepted = re.search(r"^jaxserve:spec_decode_num_accepted_tokens_total\{.*\} (\S+)$", metrics, re.M)
         assert float(accepted[1]) > 0, "the draft model's calls and steps of 1 + K tokens went to the follower"

@@ -36,7 +36,7 @@ def _paged_logits(model, prompt, continuation):
     batch = batch.replace(logits_index=np.arange(gd, gd + len(prompt), dtype=np.int32))
     forward = compile_forward(model.graphdef, XlaPagedAttention(runner.layout.pages_per_chunk,
                                                                 model.config.sliding_window))
-    prefill, runner.kv_pages = forward(model.params, runner.kv_pages, batch)
+    prefill, runner.kv_pages = forward(model.params, runner.kv_pages, None, batch)
     decoded = []
     for i, token in enumerate(continuation):
         step = SchedulerOutput((_sequence([token], len(prompt) + i, table),))

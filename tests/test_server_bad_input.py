@@ -35,7 +35,7 @@ CASES = [
     ("/v1/completions", b'["x"]', 400, None, "must be a JSON object"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature='hot'"),
     ("/v1/completions", {"prompt": 3}, 400, "prompt", "prompt=3"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model", "model='gpt-4' is not served"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model='gpt-4' is not served"),
     ("/v1/completions", {"prompt": [5] * 200}, 400, "prompt", "200 tokens, but max_model_len is 128"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens",
      "max_tokens=0 is out of range: must be >= 1"),

@@ -225,9 +225,9 @@ def test_priority_reaches_the_engine_on_every_endpoint(server, tiny_engine, monk
     add_request = tiny_engine.add_request
     seen = []
 
-    def record(prompt, params, request_id=None, priority=0):
+    def record(prompt, params, request_id=None, priority=0, lora_request=None):
         seen.append(priority)
-        return add_request(prompt, params, request_id, priority)
+        return add_request(prompt, params, request_id, priority, lora_request)
 
     monkeypatch.setattr(tiny_engine, "add_request", record)
     for stream in (False, True):

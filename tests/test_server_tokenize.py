@@ -40,15 +40,15 @@ def test_tokenized_messages_are_the_chat_prompt(server):
     assert shorter["tokens"] == tokens["tokens"][:shorter["count"]] and shorter["count"] < tokens["count"]
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
-    ("/detokenize", {"tokens": [10**9]}, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, "tokens"),
+@pytest.mark.parametrize("path, body, param, status", [
+    ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt", 400),
+    ("/tokenize", {}, "prompt", 400),
+    ("/tokenize", {"prompt": "x", "model": "other"}, "model", 404),
+    ("/detokenize", {"tokens": [10**9]}, "tokens", 400),
+    ("/detokenize", {"tokens": [-1]}, "tokens", 400),
 ])
-def test_bad_tokenize_bodies_are_named(server, path, body, param):
-    assert post(server, path, body, 400)["error"]["param"] == param
+def test_bad_tokenize_bodies_are_named(server, path, body, param, status):
+    assert post(server, path, body, status)["error"]["param"] == param
 
 
 def test_version_ping_and_one_model(server, tiny_engine):
@@ -80,5 +80,5 @@ def test_every_alias_is_listed_and_answered_as_asked(server):
     assert client.models.retrieve("alias").id == "alias"
     for name in ("test-model", "alias"):
         assert client.completions.create(model=name, prompt="Hi", max_tokens=1).model == name
-    with pytest.raises(openai.BadRequestError, match="served: 'test-model', 'alias'"):
+    with pytest.raises(openai.NotFoundError, match="served: 'test-model', 'alias'"):
         client.completions.create(model="other", prompt="Hi", max_tokens=1)

@@ -18,7 +18,7 @@ from jaxserve.models.llama import abstract_model
 from jaxserve.config import parse_mesh
 from jaxserve.sharding import PARTITION_RULES, head_layout, pad_heads, spec_for
 
-from conftest import write_tiny_model
+from conftest import write_adapter, write_tiny_model
 
 WORKER = Path(__file__).with_name("mesh_worker.py")
 
@@ -134,9 +134,30 @@ def test_quantized_weights_and_kv_cache_agree_across_meshes(quantization, kv_cac
                          "--kv-cache-dtype", kv_cache_dtype)
     assert results["formats_1x1"].tolist() == [quantization] * 7
     for mesh in meshes.split(",")[1:]:
-        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        # float32 sums in another order move a K/V value across an fp8 rounding boundary now and
+        # then (a step of 1/16 of its magnitude): seen up to 1.3e-3 on logits of ~3 on an AVX-512 CPU
+        atol = 5e-3 if kv_cache_dtype == "fp8" else 1e-4
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=atol, rtol=0)
         assert results[f"formats_{mesh}"].tolist() == [quantization] * 7
         assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
+
+
+@pytest.mark.slow
+def test_lora_adapters_give_the_1x1_tokens_on_meshes(tmp_path, smollm2_tokenizer):
+    # 9/3 heads padded to 12/4 on M = 2: the adapters' q/k/v B columns and o A rows move with them
+    write_tiny_model(tmp_path / "model", "llama", smollm2_tokenizer, num_attention_heads=9, num_key_value_heads=3,
+                     hidden_size=72)
+    write_adapter(tmp_path / "model", tmp_path / "a0", r=4, alpha=8, seed=1)
+    write_adapter(tmp_path / "model", tmp_path / "a1", ["q_proj", "v_proj", "o_proj", "down_proj"], r=8, alpha=8,
+                  seed=2)
+    meshes = "1x1,1x2,2x2"
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes,
+                         "--lora", f"{tmp_path / 'a0'},{tmp_path / 'a1'}")
+    base, a0, a1 = np.split(results["lora_1x1"], 3)
+    assert (base != a0).any() and (base != a1).any(), "the adapters change the tokens"
+    for mesh in meshes.split(",")[1:]:
+        assert (results[f"lora_{mesh}"] == results["lora_1x1"]).all(), mesh
+        assert results[f"lora_misplaced_{mesh}"].tolist() == [], "LoRA shardings differ from the rule table"
 
 
 @pytest.mark.slow

@@ -105,17 +105,25 @@ def test_beam_search_matches_transformers_num_beams(engine, hf):
 
 
 @pytest.mark.slow
-def test_ngram_speculation_gives_the_same_greedy_tokens(engine, smollm2):
-    """Two copy-edit chats (the answer repeats the prompt) and two anchor prompts, with EOS: the
-    tokens of the engine without speculation, most of the copies' tokens from accepted drafts."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_gives_the_same_greedy_tokens(engine, smollm2, method):
+    """Two copy-edit chats (the answer repeats the prompt) and an anchor prompt, with EOS: the tokens
+    of the engine without speculation. n-gram: most of the copies' tokens come from drafts; the
+    embedded model drafting for itself: every draft is accepted."""
+    from jaxserve.checkpoint.default_model import default_model_path
+
     with open(WORKLOADS / "copy-edit.jsonl") as f:
         copies = [json.loads(line)["prompt_token_ids"] for line in f][:2]
-    prompts = copies + anchor_prompts(2)
-    params = [SamplingParams(temperature=0, max_tokens=48)] * 4
+    prompts = copies + anchor_prompts(1)
+    params = [SamplingParams(temperature=0, max_tokens=32)] * 3
+    speculative = {"method": "ngram"} if method == "ngram" else {"model": str(default_model_path())}
     spec = LLMEngine(EngineConfig(max_model_len=1024, num_pages=400, max_num_seqs=16, max_num_batched_tokens=256,
-                                  speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
-                     model=smollm2)
+                                  speculative_config={**speculative, "num_speculative_tokens": 4}), model=smollm2)
     assert run(spec, prompts, params) == run(engine, prompts, params)
     stats = spec.stats()
-    assert stats.spec_decode_num_accepted_tokens > 48, "over half of the copies' tokens came from drafts"
+    if method == "ngram":
+        assert stats.spec_decode_num_accepted_tokens > 32, "over half of the copies' tokens came from drafts"
+    else:
+        # (the tiny models show 1.0 exactly; here a near-tie could round the other way in a 5-token slot)
+        assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens > 32
     assert stats.kv_cache_usage == 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Ragged paged attention on an NVIDIA GPU, compiled (not interpreted): the kernel tests, then the
 # benchmark, then the KV pool sized from the GPU's memory under load, then a summary table.
-# Finishes within 8 minutes (each step has its own timeout).
+# Then LoRA's dense and ragged deltas (DENSE_MAX_COLUMNS in jaxserve/models/layers/lora.py).
+# Finishes within 9 minutes (each step has its own timeout).
 #
 # Setup, once, from the repo root:   pip install -e '.[cuda,test]'    (jax[cuda13])
 # Run, from the repo root:           tools/gpu_check.sh
@@ -46,6 +47,7 @@ JAXSERVE_PALLAS_INTERPRET=0 run_step tests 150 "$PY" -m pytest -q -p no:cachepro
     tests/test_ragged_paged_attention.py -rs
 run_step bench 110 "$PY" tools/bench_kernels.py --runs 10
 run_step memory 150 "$PY" tools/bench_memory.py --device --utilization 0.5 --num-requests 32
+run_step lora 60 "$PY" tools/bench_lora.py --repeat 20 --slots 2 5 17 33 --tokens 1 64 512
 
 echo
 echo "=== summary"
@@ -57,4 +59,6 @@ echo "bench: kernel vs reference per shape (ms, GB/s, share of copy bandwidth)"
 grep -E '^(decode|prefill|mixed)|^  (kernel|reference|jax ops decode) ' "$LOG_DIR/bench.log" || true
 echo "memory: KV pool sized by --gpu-memory-utilization 0.5, peak bytes in use against the budget"
 grep -E 'KV pool:|share|^ +0\.' "$LOG_DIR/memory.log" || true
+echo "lora: dense vs ragged delta (ms)"
+grep -E '^ +[0-9]+ +[0-9]+ ' "$LOG_DIR/lora.log" || true
 ! printf '%s\n' "${SUMMARY[@]}" | grep -qE 'FAILED|TIMEOUT'

@@ -7,8 +7,9 @@ Hugging Face transformers one request at a time in the same run) and prints a ta
     jaxserve bench offline --single-stream --quantization none --quantization auto   # one request
     jaxserve bench offline --workload ../shared/workloads/copy-edit.jsonl --eos --concurrency 1 \
         --speculative-config none --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    jaxserve bench offline --workload ... --lora off --lora 0 --lora 4   # LoRA's cost: off, on, 4 adapters
 
-Repeated --mesh, --quantization, --kv-cache-dtype and --speculative-config values are all combined,
+Repeated --mesh, --quantization, --kv-cache-dtype, --speculative-config and --lora values are all combined,
 each in the same run; with several, the table says whether each gave the first one's tokens.
 `--single-stream` replaces the workload by one request of 128 prompt tokens and 256 output tokens.
 """
@@ -37,9 +38,39 @@ def single_stream(rows) -> list[dict]:
     return [{"prompt_token_ids": tokens, "max_tokens": 256}]
 
 
-def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str, speculative: str) -> dict:
+def random_adapters(model_config, num: int, rank: int, directory: Path) -> list:
+    """`num` random PEFT adapters of `rank` on every projection (small weights: the text stays
+    text), as LoRARequests round-robin over the requests."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxserve.lora_request import LoRARequest
+    from jaxserve.models.llama import lora_shapes
+
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(num):
+        path = directory / f"adapter{i}"
+        path.mkdir(parents=True)
+        weights = {}
+        for layer in range(model_config.num_layers):
+            for module, (fan_in, fan_out) in lora_shapes(model_config).items():
+                key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+                weights[f"{key}.lora_A.weight"] = rng.normal(0, fan_in ** -0.5, (rank, fan_in)).astype(np.float32)
+                weights[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (fan_out, rank)).astype(np.float32)
+        save_file(weights, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(lora_shapes(model_config))}))
+        requests.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
+    return requests
+
+
+def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str, speculative: str,
+                   lora: str = "off") -> dict:
+    import tempfile
+
     from jaxserve import LLM, SamplingParams
-    from jaxserve.config import parse_mesh
+    from jaxserve.config import ModelConfig, parse_mesh
 
     # The limits are per data slice: split the step's totals so that every mesh holds the same batch.
     slices = parse_mesh(mesh)[0]
@@ -48,8 +79,16 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
               max_num_batched_tokens=args.max_num_batched_tokens // slices,
               max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, mesh=mesh,
               quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-              speculative_config=None if speculative == "none" else speculative)
+              speculative_config=None if speculative == "none" else speculative,
+              enable_lora=lora != "off", max_loras=max(1, int(lora)) if lora != "off" else 1,
+              max_lora_rank=args.max_lora_rank)
     startup = time.perf_counter() - started
+    loras = [None]
+    if lora not in ("off", "0"):
+        scratch = tempfile.TemporaryDirectory()
+        loras = random_adapters(ModelConfig.from_hf(llm.engine.model.hf_config), int(lora), args.max_lora_rank,
+                                Path(scratch.name))
+    lora_of = [loras[i % len(loras)] for i in range(len(rows))]
     weight_mib = llm.engine.model.weight_bytes / 2**20
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=not args.eos) for r in rows]
     prompts = [r["prompt_token_ids"] for r in rows]
@@ -60,19 +99,21 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
     for _ in range(args.repeat):
         llm.engine.scheduler.clear_cache()   # every repeat computes its prompts: none is a cache hit
         started = time.perf_counter()
-        outputs = [o for b in batches for o in llm.generate(prompts[b], params[b], use_tqdm=args.repeat == 1)]
+        outputs = [o for b in batches for o in llm.generate(prompts[b], params[b], use_tqdm=args.repeat == 1,
+                                                            lora_request=lora_of[b])]
         times.append(time.perf_counter() - started)
     elapsed = sorted(times)[len(times) // 2]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}" + (f" spec:{speculative}" if args.speculative_config
-                                                                        else "")
+                                                                        else "") + (f" lora:{lora}" if args.lora else "")
     after = llm.engine.stats()
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     return {"system": system, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
             "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib,
-            "tokens": [o.outputs[0].token_ids for o in outputs], "drafts": drafts,
+            **({"tokens": [o.outputs[0].token_ids for o in outputs]} if loras == [None] else {}),   # adapters
+            "drafts": drafts,                                                                    # change them
             "acceptance_rate": accepted / proposed if proposed else None,
             "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
@@ -131,6 +172,10 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
                         help="repeat to compare: none, or vLLM's JSON, e.g. '{\"method\": \"ngram\"}'")
     parser.add_argument("--eos", action="store_true", help="end requests at EOS (default: ignored, so every "
                                                             "system makes the workload's max_tokens)")
+    parser.add_argument("--lora", action="append", default=None,
+                        help="off (default), 0 (--enable-lora, requests on the base model) or N (N random adapters "
+                             "of --max-lora-rank on every projection, round-robin over the requests, N slots)")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=0, help="requests at a time (default: all at once)")
     parser.add_argument("--repeat", type=int, default=1, help="generate N times on each engine, keep the median time")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
@@ -154,10 +199,11 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
     if args.single_stream:
         rows = single_stream(rows)
     results = []
-    for mesh, quantization, kv, spec in itertools.product(meshes, args.quantization or ["auto"],
-                                                          args.kv_cache_dtype or ["auto"],
-                                                          args.speculative_config or ["none"]):
-        results.append(bench_jaxserve(rows, args, mesh, quantization, kv, spec))
+    for mesh, quantization, kv, spec, lora in itertools.product(meshes, args.quantization or ["auto"],
+                                                                args.kv_cache_dtype or ["auto"],
+                                                                args.speculative_config or ["none"],
+                                                                args.lora or ["off"]):
+        results.append(bench_jaxserve(rows, args, mesh, quantization, kv, spec, lora))
     if args.compare_hf:
         results.append(bench_hf(rows, args))
     for r in results:

@@ -1,7 +1,7 @@
 """`AsyncEngine`: an `LLMEngine` driven by its own thread, with one async stream per request.
 
 `LLMEngine` is not thread-safe, so only the engine thread touches it. The event loop hands it
-work through a thread-safe command queue (add, abort, stop) that the thread drains between
+work through a thread-safe command queue (add, abort, call, stop) that the thread drains between
 steps; the thread posts each step's outputs back with `loop.call_soon_threadsafe`, all of a
 step's outputs in one callback. A stream whose consumer goes away (a client disconnect cancels
 its handler) sends an abort, which the thread applies before the next step, so the request's
@@ -21,14 +21,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from jaxserve.engine.engine import EngineStats, LLMEngine
 from jaxserve.engine.output import RequestOutput
 from jaxserve.errors import InvalidRequestError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineState(enum.Enum):
@@ -65,6 +67,7 @@ class FinishedRequest:
     finished_time: float             # time.monotonic()
     params: SamplingParams
     output: RequestOutput | None     # the final output (None: closed by its consumer first)
+    lora_name: str | None = None     # the LoRA adapter it ran with
 
 
 class RequestObserver(Protocol):
@@ -85,9 +88,10 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, params: SamplingParams, abort: Callable[[str], None],
-                 observer: RequestObserver | None):
+                 observer: RequestObserver | None, lora_name: str | None = None):
         self.request_id = request_id
         self.params = params
+        self.lora_name = lora_name
         self.num_samples = params.n
         self.finished = False
         self._abort = abort
@@ -117,7 +121,8 @@ class RequestStream:
         if output.finished:
             reasons = ["error"] * self.num_samples if output.error else [
                 o.finish_reason or "abort" for o in output.outputs]
-            self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, output))
+            self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, output,
+                                                    self.lora_name))
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -138,7 +143,7 @@ class RequestStream:
             if self._observer is not None:
                 now = time.monotonic()
                 self._observer.finished(FinishedRequest(["abort"] * self.num_samples, now - self._arrival, now,
-                                                        self.params, None))
+                                                        self.params, None, self.lora_name))
 
     async def __aenter__(self) -> "RequestStream":
         return self
@@ -217,14 +222,17 @@ class AsyncEngine:
     # ---- requests (event loop side) -------------------------------------------------------
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Queues a request (`priority`: lower runs sooner under the priority scheduling policy);
-        raises InvalidRequestError, QueueFullError or EngineUnavailableError."""
-        [stream] = await self.add_requests([prompt], params, [request_id], priority)
+                          request_id: str | None = None, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queues a request (`priority`: lower runs sooner under the priority scheduling policy;
+        `lora_request`: its LoRA adapter); raises InvalidRequestError, QueueFullError or
+        EngineUnavailableError."""
+        [stream] = await self.add_requests([prompt], params, [request_id], priority, lora_request)
         return stream
 
     async def add_requests(self, prompts: Sequence[str | list[int]], params: SamplingParams,
-                           request_ids: Sequence[str | None], priority: int = 0) -> list[RequestStream]:
+                           request_ids: Sequence[str | None], priority: int = 0,
+                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Queues several requests as one unit: all are admitted or none (a batch that can never
         fit `max_queue` is an InvalidRequestError, one that does not fit now a QueueFullError)."""
         if self.state is not EngineState.READY:
@@ -234,7 +242,7 @@ class AsyncEngine:
             if request_id is not None and request_id in self._streams:
                 raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
         # Every command goes out before the first await, so no other request can slip in between.
-        submitted = [self._submit(prompt, params, request_id, priority)
+        submitted = [self._submit(prompt, params, request_id, priority, lora_request)
                      for prompt, request_id in zip(prompts, request_ids, strict=True)]
         try:
             for _, accepted in submitted:
@@ -262,18 +270,28 @@ class AsyncEngine:
             raise QueueFullError(f"{waiting} sequences are waiting and this request adds {num_seqs} "
                                  f"(--max-queue={self.max_queue})")
 
+    async def call(self, function: Callable[[LLMEngine], T]) -> T:
+        """`function(engine)` run on the engine thread between steps (the engine is not thread-safe):
+        what it returns, or raises."""
+        if self.state is not EngineState.READY:
+            raise EngineUnavailableError(f"the engine is {self.state.value}")
+        done = self._loop.create_future()
+        self._commands.put(("call", function, done))
+        return await done
+
     def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
-                priority: int) -> tuple[RequestStream, asyncio.Future]:
+                priority: int, lora_request: LoRARequest | None) -> tuple[RequestStream, asyncio.Future]:
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
-        stream = RequestStream(request_id, params, self._send_abort, self.observer)
+        stream = RequestStream(request_id, params, self._send_abort, self.observer,
+                               lora_request.lora_name if lora_request else None)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._pending += params.num_samples
         # A batch's caller reads the first failure only: the others are marked retrieved here.
         accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._commands.put(("add", request_id, prompt, params, priority, accepted))
+        self._commands.put(("add", request_id, prompt, params, priority, lora_request, accepted))
         return stream, accepted
 
     def _send_abort(self, request_id: str) -> None:
@@ -363,18 +381,27 @@ class AsyncEngine:
                 return False
             if command[0] == "add":
                 self._add(live, *command[1:])
+            elif command[0] == "call":
+                self._call(*command[1:])
             else:
                 self._abort(live, command[1])
 
     def _add(self, live: set[str], request_id: str, prompt, params: SamplingParams, priority: int,
-             accepted: asyncio.Future) -> None:
+             lora_request: LoRARequest | None, accepted: asyncio.Future) -> None:
         error = None
         try:
-            self.engine.add_request(prompt, params, request_id, priority)
+            self.engine.add_request(prompt, params, request_id, priority, lora_request)
             live.add(request_id)
         except Exception as exc:  # noqa: BLE001 - the caller gets it (InvalidRequestError: a 400)
             error = exc
         self._post(self._on_added, accepted, params.num_samples, error, self.engine.stats())
+
+    def _call(self, function, done: asyncio.Future) -> None:
+        try:
+            result, error = function(self.engine), None
+        except Exception as exc:  # noqa: BLE001 - the caller gets it
+            result, error = None, exc
+        self._post(_settle, done, result, error)
 
     def _abort(self, live: set[str], request_id: str) -> None:
         live.discard(request_id)
@@ -403,3 +430,8 @@ class AsyncEngine:
             output = output or RequestOutput(request_id, None, [], [], True)
             failed.append(dataclasses.replace(output, finished=True, error=message))
         return failed
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(result)

@@ -43,6 +43,7 @@ class StepInput:
     prompt_target: np.ndarray      # [T] int32: the prompt token it predicts; -1: padding
     placeholder_rows: np.ndarray   # [T] int32: the previous step's logit row whose sample is this
                                    # token (a placeholder); -1: token_ids holds it
+    lora_slots: np.ndarray         # [T] int32: the LoRA slot of the token's adapter; 0: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,21 +93,22 @@ class BatchLayout:
         step launched before, for the placeholders."""
         previous_rows = previous_rows or {}
         if num_slices == 1:
-            return self._build_slice(output.sequences, bucket, output.token_masks, previous_rows)
+            return self._build_slice(output.sequences, bucket, output.token_masks, previous_rows, output.lora_slots)
         by_slice = [[] for _ in range(num_slices)]
         for s in output.sequences:
             by_slice[s.data_slice].append(s)
         slice_tokens = bucket.num_tokens(self.segment)
         inputs, rows = [], []
         for i, sequences in enumerate(by_slice):
-            step, slice_rows = self._build_slice(sequences, bucket, output.token_masks, previous_rows)
+            step, slice_rows = self._build_slice(sequences, bucket, output.token_masks, previous_rows,
+                                                 output.lora_slots)
             inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens,
                                        prompt_index=step.prompt_index + i * slice_tokens))
             rows += slice_rows
         return jax.tree.map(lambda *parts: np.concatenate(parts), *inputs), rows
 
-    def _build_slice(self, sequences, bucket: Bucket, token_masks,
-                     previous_rows: Mapping[str, int]) -> tuple[StepInput, list[ScheduledSequence | None]]:
+    def _build_slice(self, sequences, bucket: Bucket, token_masks, previous_rows: Mapping[str, int],
+                     lora_slots: Mapping[str, int] | None) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
         dl, num_tokens, num_rows = bucket.decode_len, bucket.num_tokens(seg), bucket.num_logit_rows
         token_ids = np.zeros(num_tokens, np.int32)
@@ -118,6 +120,7 @@ class BatchLayout:
         prompt_index = np.zeros(num_tokens, np.int32)
         prompt_target = np.full(num_tokens, -1, np.int32)
         placeholder_rows = np.full(num_tokens, -1, np.int32)
+        token_lora_slots = np.zeros(num_tokens, np.int32)
         scored = 0   # prompt rows filled
         rows: list[ScheduledSequence | None] = [None] * num_rows
         next_prefill_row = gd * dl
@@ -141,6 +144,8 @@ class BatchLayout:
                 placeholder_rows[at[0]] = previous_rows[s.request_id]
             positions[at] = pos
             slots[at] = table[pos // ps] * ps + pos % ps
+            if lora_slots:
+                token_lora_slots[at] = lora_slots.get(s.request_id, 0)
             if s.draft_token_ids:   # a sample after the last real token and after each draft
                 first = s.num_tokens - len(s.draft_token_ids) - 1
                 for i in range(len(s.draft_token_ids) + 1):
@@ -160,7 +165,7 @@ class BatchLayout:
                                       decode_len=dl)
         sampling = sampling_tensors(rows, num_rows, self.vocab_size, self.history_width, token_masks)
         return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target,
-                         placeholder_rows), rows
+                         placeholder_rows, token_lora_slots), rows
 
     def prompt_rows(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1) -> list[tuple[str, int, int]]:
         """(sequence id, position, prompt row) of each prompt token `build` lays out for scoring."""

@@ -31,6 +31,8 @@ def _add(values: Iterable):
 class SlicedScheduler:
     def __init__(self, config: SchedulerConfig, allocators: list[PageAllocator], proposer: Proposer | None = None):
         self.slices = [Scheduler(config, allocator, i, proposer) for i, allocator in enumerate(allocators)]
+        for s in self.slices:   # max_loras counts the adapters of every slice: they share the slots
+            s.peers = self.slices
         self.pages_per_slice = allocators[0].num_pages
         self._slice_of: dict[str, int] = {}
 

@@ -28,7 +28,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxserve.checkpoint.loader import LoadedModel, load_model
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.checkpoint.peft import LoraAdapter, read_adapter
+from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.device_calls import DeviceCall
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.output import CompletionOutput, RequestMetrics, RequestOutput, SampleText, TokenLogprob
@@ -36,6 +37,7 @@ from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import FinishReason, Request
 from jaxserve.engine.data_slices import SlicedScheduler
 from jaxserve.engine.draft_model import DraftModelProposer, check_draft
+from jaxserve.engine.lora_adapters import LoraAdapters
 from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.runner import Followers, LaunchedStep, Runner, speculative_buckets
@@ -45,6 +47,7 @@ from jaxserve.engine.scheduler import Proposer, SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.host_memory import keep_freed_memory
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sharding import mesh_from_config
 from jaxserve.sampling_params import SamplingParams
 
@@ -68,6 +71,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0      # since start: drafts proposed
     spec_decode_num_accepted_tokens: int = 0   # since start: drafts confirmed by the target's samples
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts confirmed at position i
+    running_lora_adapters: tuple[str, ...] = ()   # names of the LoRA adapters of running sequences
+    waiting_lora_adapters: tuple[str, ...] = ()   # ... and of waiting ones (not running)
+    max_lora: int = 0                             # LoRA slots on the device (0: LoRA off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +185,12 @@ class LLMEngine:
                              attention_backend=config.attention_backend, followers=followers,
                              kv_cache_dtype=config.kv_cache_dtype, speculative_buckets=speculative_buckets(
                                  min(spec.disable_by_batch_size, config.max_num_seqs), spec.num_speculative_tokens,
-                                 config.max_num_batched_tokens, config.prefill_chunk) if spec else [])
+                                 config.max_num_batched_tokens, config.prefill_chunk) if spec else [],
+                             max_loras=config.max_loras if config.enable_lora else 0,
+                             max_lora_rank=config.max_lora_rank)
+        self.lora_adapters = LoraAdapters(
+            config.max_loras, config.max_cpu_loras, self._read_adapter,
+            lambda slot, adapter: self.runner.load_lora(slot, adapter.modules)) if config.enable_lora else None
         draft = self._load_draft(spec)
         draft_bytes = kv_pool.bytes_per_page(draft.config, config.page_size, kv_dtype) if draft else 0
         pages, source = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices,
@@ -191,7 +202,7 @@ class LLMEngine:
         self.scheduler = SlicedScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
                             config.enable_chunked_prefill, config.scheduling_policy,
-                            config.priority_max_wait_steps, spec),
+                            config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0),
             self.allocators, self.proposer)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
@@ -209,6 +220,10 @@ class LLMEngine:
                  kv_dtype.name + (" with the draft model's pages" if draft else ""), source)
         if spec:
             log.info("speculative decoding: %s", spec)
+        if config.enable_lora:
+            log.info("LoRA: %d device slots of rank %d (%.1f MiB), %d adapters kept in host memory", config.max_loras,
+                     config.max_lora_rank, self.runner.lora_bytes / 2**20,
+                     config.max_cpu_loras)
         started = time.perf_counter()
         self.runner.warm_up(progress)
         if isinstance(self.proposer, DraftModelProposer):
@@ -269,10 +284,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> str:
         """Queues a prompt (text or token ids); returns its id. Raises InvalidRequestError.
-        `priority`: lower runs sooner under the priority scheduling policy."""
+        `priority`: lower runs sooner under the priority scheduling policy; `lora_request`: the
+        LoRA adapter it runs with (--enable-lora)."""
         params = params or SamplingParams()
+        lora_id = self.add_lora(lora_request) if lora_request is not None else 0
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise InvalidRequestError("request_id", f"request_id={request_id!r} is already in use")
@@ -288,7 +305,7 @@ class LLMEngine:
             Request(request_id=f"{request_id}/{i}", prompt_token_ids=list(token_ids), params=params,
                     seed=base_seed if num_samples == 1 else row_seed(base_seed, -1 - i),
                     max_total_tokens=len(token_ids) + max_tokens, eos_token_ids=self.eos_token_ids,
-                    priority=priority)
+                    priority=priority, lora_id=lora_id)
             for i in range(num_samples)]
         texts = [SampleText(self.tokenizer, params.stop, params.skip_special_tokens) for _ in samples]
         self.scheduler.add(samples[0], forks=samples[1:])
@@ -299,6 +316,28 @@ class LLMEngine:
             allowed = pack_tokens(params.allowed_token_ids, self.model.config.vocab_size)
             self._allowed.update((s.request_id, allowed) for s in samples)
         return request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Reads and checks an adapter (unless known) so that requests can name it; its id.
+        Raises InvalidRequestError naming the adapter and what is wrong with it."""
+        if self.lora_adapters is None:
+            raise InvalidRequestError("model", f"LoRA adapter {lora_request.lora_name!r}: this engine serves no "
+                                               f"adapters; start it with --enable-lora")
+        try:
+            return self.lora_adapters.register(lora_request)
+        except ValueError as error:
+            raise InvalidRequestError("lora_path", f"lora_name={lora_request.lora_name!r}: {error}") from None
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forgets an adapter; refused while requests run or wait with it."""
+        in_use = sum(1 for g in self._groups.values() for s in g.samples if s.lora_id == lora_id)
+        if in_use:
+            raise InvalidRequestError("lora_name", f"LoRA adapter {self.lora_adapters.name(lora_id)!r} has {in_use} "
+                                                   f"sequence(s) in flight; unload it when they are done")
+        self.lora_adapters.forget(lora_id)
+
+    def _read_adapter(self, path: str) -> LoraAdapter:
+        return read_adapter(path, ModelConfig.from_hf(self.model.hf_config), self.config.max_lora_rank)
 
     def _truncate(self, text: str | None, token_ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
         """truncate_prompt_tokens: only the prompt's last `keep` tokens (-1: max_model_len's worth)."""
@@ -370,7 +409,15 @@ class LLMEngine:
                            counters.prefix_cache_queries, counters.prefix_cache_hits,
                            counters.spec_decode_num_drafts, counters.spec_decode_num_draft_tokens,
                            counters.spec_decode_num_accepted_tokens,
-                           tuple(counters.spec_decode_num_accepted_tokens_per_pos))
+                           tuple(counters.spec_decode_num_accepted_tokens_per_pos), *self._lora_stats())
+
+    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        if self.lora_adapters is None:
+            return (), (), 0
+        running = {r.lora_id for r in self.scheduler.running}
+        waiting = {s.lora_id for g in self._groups.values() for s in g.samples if not s.is_finished} - running
+        names = lambda ids: tuple(sorted(self.lora_adapters.name(i) for i in ids if i))   # noqa: E731
+        return names(running), names(waiting), self.lora_adapters.max_loras
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -412,6 +459,10 @@ class LLMEngine:
         scheduled = time.perf_counter()
         output = self._with_token_masks(output)
         masked = time.perf_counter()
+        if self.lora_adapters is not None:
+            slots = self.lora_adapters.slots_for(s.lora_id for s in output.sequences)
+            output = dataclasses.replace(output, lora_slots={s.request_id: slots.get(s.lora_id, 0)
+                                                             for s in output.sequences})
         try:
             step, error = self.runner.launch(output), None
         except Exception as failure:  # noqa: BLE001 - one bad step must not take the engine down

@@ -23,10 +23,11 @@ import math
 import numpy as np
 
 
-def page_hashes(token_ids: list[int], page_size: int, known: list[bytes]) -> list[bytes]:
-    """Extends `known`, the hashes of the first full pages of `token_ids`, to every full page."""
+def page_hashes(token_ids: list[int], page_size: int, known: list[bytes], root: bytes = b"") -> list[bytes]:
+    """Extends `known`, the hashes of the first full pages of `token_ids`, to every full page. The
+    chain starts from `root`: pages under different roots (LoRA adapters) never match."""
     for start in range(len(known) * page_size, len(token_ids) - page_size + 1, page_size):
-        digest = hashlib.blake2b(known[-1] if known else b"", digest_size=16)
+        digest = hashlib.blake2b(known[-1] if known else root, digest_size=16)
         digest.update(np.asarray(token_ids[start:start + page_size], np.int64).tobytes())
         known.append(digest.digest())
     return known

@@ -43,6 +43,7 @@ class Request:
     max_total_tokens: int           # prompt + output may not exceed this (the context length)
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0               # lower runs sooner under the priority policy
+    lora_id: int = 0                # its LoRA adapter (LoRARequest.lora_int_id); 0: the base model
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None   # monotonic: first admitted to the running batch
     num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at first admission
@@ -96,7 +97,8 @@ class Request:
     def page_hashes(self, page_size: int) -> list[bytes]:
         """Prefix-cache hashes of the full pages of prompt + output (grown as tokens arrive)."""
         if len(self._page_hashes) < self.num_known_tokens // page_size:
-            page_hashes(self.token_slice(0, self.num_known_tokens), page_size, self._page_hashes)
+            root = self.lora_id.to_bytes(8, "little") if self.lora_id else b""
+            page_hashes(self.token_slice(0, self.num_known_tokens), page_size, self._page_hashes, root)
         return self._page_hashes
 
     @property

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxserve.device_calls import Array, CopyPages, DeviceCall, ProtocolError, ResetPool, Step
+from jaxserve.config import ModelConfig
+from jaxserve.device_calls import Array, CopyPages, DeviceCall, LoadLora, ProtocolError, ResetPool, Step
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -34,7 +35,9 @@ from jaxserve.engine.rejection_sampler import accepted_length
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
 from jaxserve.models.layers.attention import MeshAttention, PallasPagedAttention, XlaPagedAttention
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sharding import BATCH_SPEC
+from jaxserve.models.layers import lora
+from jaxserve.models.llama import lora_shapes
+from jaxserve.sharding import BATCH_SPEC, pad_lora_heads, sharding_for
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,8 @@ class Runner:
     def __init__(self, model, pages_per_slice: int | None, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_segment: int, kv_chunk_tokens: int = KV_CHUNK_TOKENS,
                  attention_backend: str = "xla", followers: Followers | None = None, kv_cache_dtype: str = "auto",
-                 speculative_buckets: list[Bucket] = (), model_index: int = 0):
+                 speculative_buckets: list[Bucket] = (), model_index: int = 0, max_loras: int = 0,
+                 max_lora_rank: int = 16):
         self.model = model
         self.followers = followers
         self.model_index = model_index   # in device calls sent to followers: 0 the target, 1 a draft model
@@ -158,6 +162,9 @@ class Runner:
         if model.mesh is not None:
             attention = MeshAttention(attention, model.mesh, scaled=kv_pool.is_scaled(self.kv_dtype))
             self._batch_sharding = NamedSharding(model.mesh, BATCH_SPEC)
+        # LoRA: slot 0 (no adapter) and `max_loras` slots for resident adapters; None without LoRA
+        self.lora = self._allocate_lora(max_loras + 1, max_lora_rank) if max_loras else None
+        self.lora_bytes = sum(x.nbytes for x in jax.tree.leaves(self.lora))
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
@@ -187,7 +194,7 @@ class Runner:
         pool = kv_pool.abstract(self.model.config, self.layout.table_width + 1, self.page_size, self.kv_dtype,
                                 self.model.mesh)
         batch, _ = self.layout.build(SchedulerOutput(()), self.buckets[-1], self.num_slices)
-        compiled = self._step.lower(self.model.params, pool, self._sampled, self._place(batch)).compile()
+        compiled = self._step.lower(self.model.params, pool, self._sampled, self.lora, self._place(batch)).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -199,7 +206,7 @@ class Runner:
             compiles = [pool.submit(self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile)]
             for bucket in self.buckets:
                 batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-                compiles.append(pool.submit(self._step.lower(self.model.params, self.kv_pages, self._sampled,
+                compiles.append(pool.submit(self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora,
                                                              self._place(batch)).compile))
             for i, compiled in enumerate(concurrent.futures.as_completed(compiles[1:])):
                 compiled.result()
@@ -267,6 +274,12 @@ class Runner:
             self._copy(call.source.value(), call.destination.value())
         elif isinstance(call, ResetPool):
             self.reset_pool()
+        elif isinstance(call, LoadLora):
+            if self.lora is None:
+                raise ProtocolError("a LoRA adapter for an engine without --enable-lora")
+            values = [array.value() for array in call.leaves]
+            self.lora = lora.load_slot(self.lora, call.slot, {m: (values[2 * i], values[2 * i + 1])
+                                                              for i, m in enumerate(self.lora)})
         else:
             raise ProtocolError(f"{type(call).__name__} is not a device call")
 
@@ -295,8 +308,26 @@ class Runner:
                                       tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len,
                                       self.model_index))
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
-                                                                   self._place(batch))
+                                                                   self.lora, self._place(batch))
         return samples, prompt
+
+    def _allocate_lora(self, num_slots: int, rank: int):
+        mesh = self.model.mesh
+        place = None if mesh is None else (lambda path, shape: sharding_for(mesh, path, shape))
+        return lora.allocate(lora_shapes(self.model.config), self.model.config.num_layers, num_slots, rank,
+                             self.model.dtype, place)
+
+    def load_lora(self, slot: int, modules: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Writes an adapter's weights (`LoraAdapter.modules`, as the checkpoint has them) into
+        `slot` in place; on a mesh whose heads were rearranged, the adapter's are too."""
+        cfg = self.model.config
+        if self.model.mesh is not None:
+            modules = pad_lora_heads(ModelConfig.from_hf(self.model.hf_config), modules, self.model.mesh.shape["model"])
+        rank = self.lora["q_proj"][0].shape[-1]
+        arrays = lora.padded(modules, lora_shapes(cfg), cfg.num_layers, rank)
+        if self.followers is not None:
+            self._tell_followers(LoadLora(slot, tuple(Array.of(x) for pair in arrays.values() for x in pair)))
+        self.lora = lora.load_slot(self.lora, slot, arrays)
 
     def _new_sampled(self):
         """Zeros, placed as the pool is (uncommitted without a mesh: a committed argument would
@@ -326,7 +357,7 @@ class Runner:
         """Runs one step and returns, instead of tokens, the logits of each sampling sequence."""
         self._make_copies(output.page_copies)
         batch, rows = self.layout.build(output, self.bucket_for(output), self.num_slices)
-        logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self._place(batch))
+        logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self.lora, self._place(batch))
         logits = np.asarray(logits)
         return {seq.request_id: logits[i] for i, seq in enumerate(rows) if seq}
 
@@ -344,7 +375,7 @@ class Runner:
             batch, _ = self.layout.build(output, bucket, self.num_slices)
             first = bucket.num_decode if len(part) > 1 else 0   # a 1-token chunk is a decode row
             batch = batch.replace(logits_index=np.arange(first, first + len(part), dtype=np.int32))
-            logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self._place(batch))
+            logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self.lora, self._place(batch))
             yield np.asarray(logits)
 
     def pool_is_lost(self) -> bool:

@@ -59,6 +59,7 @@ class SchedulerConfig:
     policy: str = "fcfs"            # or "priority"
     max_wait_steps: int = 256       # waiting steps after which a request outranks every priority
     speculative: SpeculativeConfig | None = None
+    max_loras: int = 0              # distinct LoRA adapters running at once; 0: no adapters served
 
     def chunk_cost(self, num_tokens: int) -> int:
         if num_tokens == 1:
@@ -103,6 +104,7 @@ class Scheduler:
                  proposer: Proposer | None = None):
         self.config = config
         self.proposer = proposer        # given with config.speculative
+        self.peers = [self]             # the schedulers sharing the device's LoRA slots (data slices)
         self.allocator = allocator
         self.data_slice = data_slice    # the mesh's data slice whose part of the pool `allocator` manages
         self.waiting: list[Request] = []
@@ -171,12 +173,20 @@ class Scheduler:
             scheduled.pop(victim, None)
             copies.pop(victim, None)
         self.waiting.sort(key=self.rank)
-        while self.waiting and budget > 0 and not preempted and self._has_seats_for(self.waiting[0]):
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not preempted:
+            request = self.waiting[i]
+            if not self._has_seats_for(request):
+                break
+            if not self._lora_fits(request):
+                if request.promoted:   # it has waited long enough: nobody goes ahead of it any more
+                    break
+                i += 1                 # its adapter waits for a slot; others may run meanwhile
+                continue
             num_tokens = self._admit(request, budget)
             if num_tokens == 0:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
@@ -233,6 +243,13 @@ class Scheduler:
         request.num_computed_tokens += num_tokens
         if request.num_computed_tokens == request.num_tokens:
             request.num_placeholders += 1
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request`'s adapter runs already or a slot is left for it (max_loras)."""
+        if not request.lora_id:
+            return True
+        running = {r.lora_id for peer in self.peers for r in peer.running if r.lora_id}
+        return request.lora_id in running or len(running) < self.config.max_loras
 
     def _has_seats_for(self, request: Request) -> bool:
         """Room in max_num_seqs for `request`, its forks, and the forks of running requests."""
@@ -313,6 +330,7 @@ class Scheduler:
             block_table=tuple(self.allocator.block_table(request.request_id)),
             samples=start + num_tokens == request.num_tokens,
             draft_token_ids=drafts,
+            lora_id=request.lora_id,
             params=p,
             seed=request.seed,
             num_output_tokens=request.num_output_tokens,

@@ -28,6 +28,7 @@ class ScheduledSequence:
                                            # predicts (token j's is the prompt's token at position + 1)
     placeholder: bool = False     # its one token is the sample of the step launched before this one,
                                   # not read back yet: the step takes its id on the device
+    lora_id: int = 0              # its LoRA adapter (LoRARequest.lora_int_id); 0: the base model
     draft_token_ids: tuple[int, ...] = ()   # speculative decoding: the last tokens of `token_ids` are
                                   # proposals; the step samples after each of them (and after the token
                                   # before them), and keeps the run its samples confirm
@@ -46,6 +47,8 @@ class SchedulerOutput:
     token_masks: Mapping[str, Sequence[int]] | None = None  # id -> packed allowed tokens of each constrained
                                                     # sampling sequence ([ceil(vocab / 32)] int32), added by
                                                     # the engine from the samples' grammars
+    lora_slots: Mapping[str, int] | None = None     # id -> the device slot of its LoRA adapter (none: 0),
+                                                    # added by the engine once the adapters are resident
 
     @property
     def num_tokens(self) -> int:

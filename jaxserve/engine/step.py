@@ -16,30 +16,31 @@ from jaxserve.engine.sampler import Samples, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
 
 
-def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.State, kv_pages: KVPages,
+def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.State, kv_pages: KVPages, lora,
             batch: StepInput) -> tuple[jax.Array, KVPages]:
     """(logits [S, vocab] float32, kv_pages with the step's K/V written)."""
     model = nnx.merge(graphdef, params)
-    return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention)
+    return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention, lora, batch.lora_slots)
 
 
-def step(graphdef, attention, params, kv_pages, sampled: jax.Array,
+def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora,
          batch: StepInput) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
     """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages, sampled).
 
     `sampled` [R] int32 holds the tokens of the step before in its first rows; placeholders read
-    their ids from it, so the host never waits for them, and it comes back with this step's."""
+    their ids from it, so the host never waits for them, and it comes back with this step's.
+    `lora`: the LoRA slots (models/layers/lora.py), None without adapters."""
     model = nnx.merge(graphdef, params)
     rows = batch.placeholder_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
-    x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention)
+    x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention, lora, batch.lora_slots)
     samples = sample(model.logits(x, batch.logits_index), batch.sampling)
     prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
     return samples, prompt, kv_pages, sampled.at[:samples.tokens.shape[0]].set(samples.tokens)
 
 
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
-    """`step(params, kv_pages, sampled, batch)` jitted with the pool donated: written in place,
+    """`step(params, kv_pages, sampled, lora, batch)` jitted with the pool donated: written in place,
     never copied. On a mesh the samples are replicated, so that every process holds all of them."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
     out_shardings = None if mesh is None else (replicated, replicated, None, replicated)

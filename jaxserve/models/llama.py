@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.layers import lora
 from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
 from jaxserve.models.layers.linear import QuantizedWeight, WeightFormat, Weight, embed_lookup, lm_head, matmul
 from jaxserve.models.layers.norm import rms_norm
@@ -41,6 +42,12 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
     return shapes
+
+
+def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The projections a LoRA adapter may adapt: module name -> [in, out]."""
+    return {path.removeprefix("layers/"): shape for path, shape in linear_shapes(cfg).items()
+            if path.startswith("layers/")}
 
 
 def _weight(path: str, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]) -> Weight:
@@ -77,13 +84,18 @@ class DecoderLayer(nnx.Module):
         self.down_bias = _maybe(cfg.mlp_bias, (d,), dtype)
 
     def __call__(self, x, kv_pages: KVPages, layer, meta: AttentionMetadata,
-                 attention: AttentionBackend):
-        """x [T, hidden] -> ([T, hidden], kv_pages with this layer's new K/V written)."""
+                 attention: AttentionBackend, adapters=None):
+        """x [T, hidden] -> ([T, hidden], kv_pages with this layer's new K/V written). `adapters`:
+        this layer's LoRA slots, the tokens' slots and whether any token has one (or None)."""
         cfg = self.cfg
+
+        def linear(x, name, bias):
+            return lora.adapted(x, adapters, name, _linear(x, getattr(self, name), bias))
+
         h = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
-        q = _linear(h, self.q_proj, self.q_bias).reshape(-1, cfg.num_heads, cfg.head_dim)
-        k = _linear(h, self.k_proj, self.k_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = _linear(h, self.v_proj, self.v_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = linear(h, "q_proj", self.q_bias).reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = linear(h, "k_proj", self.k_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = linear(h, "v_proj", self.v_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
@@ -91,12 +103,12 @@ class DecoderLayer(nnx.Module):
         q = apply_rope(q, meta.positions, rope)
         k = apply_rope(k, meta.positions, rope)
         attn, kv_pages = attention(q, k, v, kv_pages, layer, meta)
-        x = x + _linear(attn.reshape(attn.shape[0], -1), self.o_proj, self.o_bias)
+        x = x + linear(attn.reshape(attn.shape[0], -1), "o_proj", self.o_bias)
 
         h = rms_norm(x, self.post_attention_norm[...], cfg.rms_norm_eps)
-        gate = _linear(h, self.gate_proj, self.gate_bias)
-        up = _linear(h, self.up_proj, self.up_bias)
-        x = x + _linear(jax.nn.silu(gate) * up, self.down_proj, self.down_bias)
+        gate = linear(h, "gate_proj", self.gate_bias)
+        up = linear(h, "up_proj", self.up_bias)
+        x = x + linear(jax.nn.silu(gate) * up, "down_proj", self.down_bias)
         return x, kv_pages
 
 
@@ -118,24 +130,29 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _weight("lm_head", cfg, dtype, formats)
 
     def __call__(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, logits_index,
-                 attention: AttentionBackend):
+                 attention: AttentionBackend, lora_weights=None, lora_slots=None):
         """token_ids [T] int32, logits_index [S] int32 (rows to score) -> (logits [S, vocab] f32, kv_pages)."""
-        x, kv_pages = self.hidden_states(token_ids, kv_pages, meta, attention)
+        x, kv_pages = self.hidden_states(token_ids, kv_pages, meta, attention, lora_weights, lora_slots)
         return self.logits(x, logits_index), kv_pages
 
-    def hidden_states(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, attention: AttentionBackend):
-        """token_ids [T] int32 -> (the last layer's output [T, hidden], kv_pages with the K/V written)."""
+    def hidden_states(self, token_ids, kv_pages: KVPages, meta: AttentionMetadata, attention: AttentionBackend,
+                      lora_weights=None, lora_slots=None):
+        """token_ids [T] int32 -> (the last layer's output [T, hidden], kv_pages with the K/V written).
+        `lora_weights` (module -> (a, b), see layers/lora.py) with `lora_slots` [T] int32: the
+        tokens' LoRA adapters."""
         x = embed_lookup(self.embed, token_ids, self.dtype)
         layer_graph, layer_weights = nnx.split(self.layers)
+        any_adapted = None if lora_weights is None else jnp.any(lora_slots > 0)
 
         def run_layer(carry, weights_and_index):
             x, kv_pages = carry
-            weights, index = weights_and_index
-            x, kv_pages = nnx.merge(layer_graph, weights)(x, kv_pages, index, meta, attention)
+            weights, index, layer_lora = weights_and_index
+            adapters = None if layer_lora is None else (layer_lora, lora_slots, any_adapted)
+            x, kv_pages = nnx.merge(layer_graph, weights)(x, kv_pages, index, meta, attention, adapters)
             return (x, kv_pages), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids))
+        (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids, lora_weights))
         return x, kv_pages
 
     def logits(self, x, index) -> jax.Array:

@@ -23,6 +23,8 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.server.config import ServerConfig, model_name, served_names
 from jaxserve.server.errors import APIError
 from jaxserve.server.generate_api import generate
+from jaxserve.server.lora_api import load_lora_adapter, unload_lora_adapter
+from jaxserve.server.lora_names import LoraNames
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.openai_api import chat_completions, completions
 from jaxserve.server.openai_protocol import Health, ModelCard, ModelList, Version
@@ -46,10 +48,11 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
     async_engine.observer = metrics
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware(config.api_key)])
-    app[CONTEXT] = ServerContext(async_engine, config, names, int(time.time()))
+    app[CONTEXT] = ServerContext(async_engine, config, names, int(time.time()), LoraNames(config))
     app[METRICS] = metrics
     app[OPENAPI] = openapi_document("jaxserve", importlib.metadata.version("jaxserve"),
-                                    with_api_key=config.api_key is not None)
+                                    with_api_key=config.api_key is not None,
+                                    with_lora_updates=config.enable_lora_runtime_updates)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -63,6 +66,9 @@ def create_app(engine: LLMEngine | AsyncEngine, config: ServerConfig) -> web.App
     app.router.add_get("/ping", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    if config.enable_lora_runtime_updates:
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_drain_engine)
     app.on_cleanup.append(_stop_engine)
@@ -169,22 +175,25 @@ async def _health(request: web.Request) -> web.Response:
 
 
 def _card(context: ServerContext, name: str) -> ModelCard:
+    """A served name's card; an adapter's names its base model as `parent` and its path as `root`."""
     engine = context.engine.loaded()
+    lora = context.lora_request(name)
+    if lora is not None:
+        return ModelCard(id=name, created=context.started, root=lora.lora_path, max_model_len=engine.max_model_len,
+                         parent=context.loras.parents[name] or context.model_name)
     return ModelCard(id=name, created=context.started, root=model_name(engine.config.model),
                      max_model_len=engine.max_model_len)
 
 
 async def _models(request: web.Request) -> web.Response:
     context = request.app[CONTEXT]
-    return json_response(ModelList(data=[_card(context, name) for name in context.model_names]))
+    names = [*context.model_names, *context.loras.requests]
+    return json_response(ModelList(data=[_card(context, name) for name in names]))
 
 
 async def _model(request: web.Request) -> web.Response:
-    context, name = request.app[CONTEXT], request.match_info["model"]
-    if name not in context.model_names:
-        raise APIError(404, f"model {name!r} is not served here; served: {', '.join(context.model_names)}",
-                       "model", "model_not_found")
-    return json_response(_card(context, name))
+    context = request.app[CONTEXT]
+    return json_response(_card(context, context.check_model(request.match_info["model"])))
 
 
 async def _version(request: web.Request) -> web.Response:

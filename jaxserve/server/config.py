@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -31,6 +32,9 @@ class ServerConfig:
     compile_cache_dir: str | None = None  # JAX's persistent cache; None: jaxserve.compile_cache.default_dir()
     enable_auto_tool_choice: bool = False # let the model choose to call tools (tool_choice "auto")
     tool_call_parser: str | None = None   # how the model writes calls: hermes, llama3_json
+    lora_modules: tuple[str, ...] | None = None   # LoRA adapters served from the start: name=path, or
+                                          # JSON {"name", "path", "base_model_name"} (needs --enable-lora)
+    enable_lora_runtime_updates: bool = False   # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self):
         if isinstance(self.served_model_name, (list, tuple)):
@@ -46,6 +50,11 @@ class ServerConfig:
         _require(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r} is not one of {LOG_LEVELS}")
         _require(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
                  f"tool_call_parser={self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
+        if self.lora_modules is not None:
+            modules = tuple(self.lora_modules)
+            object.__setattr__(self, "lora_modules", modules)
+            names = [lora_module(m).name for m in modules]
+            _require(len(set(names)) == len(names), f"lora_modules={list(modules)} names an adapter twice")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
                  "enable_auto_tool_choice needs a tool_call_parser (one of " + ", ".join(TOOL_CALL_PARSERS) + ")")
 
@@ -62,3 +71,29 @@ def model_name(model: str | None) -> str:
         model = GGUF_IN_PACKAGE
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    """One of --lora-modules: an adapter served under `name` as a child of `base_model_name`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None   # None: the served model
+
+
+def lora_module(text: str) -> LoraModule:
+    """vLLM's two forms: `name=path`, or a JSON object {"name", "path", "base_model_name"}."""
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+            module = LoraModule(**fields)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"lora_modules entry {text!r}: {error}; want {{\"name\": ..., \"path\": ..., "
+                             f"\"base_model_name\": ...}}") from None
+    else:
+        name, _, path = text.partition("=")
+        module = LoraModule(name.strip(), path.strip())
+    _require(bool(module.name) and bool(module.path) and all(isinstance(v, str) for v in (module.name, module.path)),
+             f"lora_modules entry {text!r} needs a name and a path (name=path)")
+    return module

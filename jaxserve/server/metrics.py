@@ -7,6 +7,7 @@ stats when scraped; the rest is fed by `RequestObserver` calls.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -51,6 +52,7 @@ class Metrics:
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens received.").labels(**label)
         self._generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**label)
         self._success = counter("request_success", "Finished sequences, by finish reason.", ("finished_reason",))
+        self._lora_requests = counter("lora_requests", "Finished requests, by LoRA adapter.", ("lora_name",))
         self._label = label
         self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self._itl = histogram("inter_token_latency_seconds", "Time between a request's steps.", _ITL_BUCKETS)
@@ -67,6 +69,7 @@ class Metrics:
                                             "gave one.", _TOKEN_BUCKETS)
         self._iteration = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.registry.register(_EngineCounters(label, stats))
+        self.registry.register(_LoraInfo(stats))
         if cache_config is not None:
             self.registry.register(_CacheConfig(cache_config))
 
@@ -89,6 +92,8 @@ class Metrics:
     def finished(self, request: FinishedRequest) -> None:
         for reason in request.finish_reasons:
             self._success.labels(**self._label, finished_reason=reason).inc()
+        if request.lora_name is not None:
+            self._lora_requests.labels(**self._label, lora_name=request.lora_name).inc()
         self._e2e.observe(request.e2e_seconds)
         self._params_n.observe(request.params.n)
         if request.params.max_tokens is not None:
@@ -140,6 +145,23 @@ class _EngineCounters:
         for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             family.add_metric([*self._label.values(), str(position)], count)
         yield family
+
+
+class _LoraInfo:
+    """vLLM's `lora_requests_info`: the adapters of running and waiting sequences (comma-separated)
+    and the device slots, as labels of a gauge set to the time of the scrape (once LoRA is on)."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        if stats.max_lora:
+            family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.",
+                                       labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            family.add_metric([",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                               str(stats.max_lora)], time.time())
+            yield family
 
 
 class _CacheConfig:

@@ -37,7 +37,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
     if body.use_beam_search:
         return await _beam_completions(context, body, tokenizer, head)
-    streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority)
+    streams = await admit(context.engine, body.prompts(), params, head["id"], body.priority,
+                          context.lora_request(model))
     if body.stream:
         return await _stream_completions(request, body, streams, head, params.n, texts, tokenizer)
     outputs = await final_outputs(streams)
@@ -78,8 +79,9 @@ async def _beam_completions(context, body: CompletionRequest, tokenizer, head: d
     prompts = [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
                for p in body.prompts()]
     params = body.beam_search_params(body.max_new_tokens())
-    searches = await asyncio.gather(*(beam_search(context.engine, prompt, params, f"{head['id']}-{p}", body.priority)
-                                      for p, prompt in enumerate(prompts)))
+    lora = context.lora_request(head["model"])
+    searches = await asyncio.gather(*(beam_search(context.engine, prompt, params, f"{head['id']}-{p}", body.priority,
+                                                  lora) for p, prompt in enumerate(prompts)))
     choices, generated = [], 0
     for p, (prompt, beams) in enumerate(zip(prompts, searches)):
         echo = tokenizer.decode(prompt) if body.echo else ""
@@ -149,7 +151,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
     if body.use_beam_search:
         return await _beam_chat(context, body, prompt, tokenizer, head)
-    streams = await admit(context.engine, [prompt], params, head["id"], body.priority)
+    streams = await admit(context.engine, [prompt], params, head["id"], body.priority, context.lora_request(model))
     texts = TokenTexts(tokenizer, body.return_tokens_as_token_ids)
     # echo: a reply that continues the assistant's last message starts with it (vLLM's)
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
@@ -174,7 +176,8 @@ async def _beam_chat(context, body: ChatCompletionRequest, prompt: list[int], to
         raise InvalidRequestError("tools", "tools do not combine with use_beam_search")
     room = context.engine.loaded().max_model_len - len(prompt)
     params = body.beam_search_params(body.max_new_tokens() or room)
-    beams = await beam_search(context.engine, prompt, params, head["id"], body.priority)
+    beams = await beam_search(context.engine, prompt, params, head["id"], body.priority,
+                              context.lora_request(head["model"]))
     choices = [ChatChoice(index=i, message=AssistantMessage(content=tokenizer.decode(beam.tokens,
                                                                                      skip_special_tokens=True)),
                           finish_reason="stop" if beam.finished else "length", **_token_ids(body, None, beam.tokens))

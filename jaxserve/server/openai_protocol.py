@@ -453,6 +453,17 @@ class DetokenizeRequest(_Request):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's `/v1/load_lora_adapter`: a PEFT adapter directory on the server, served as `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
 # ---- responses -----------------------------------------------------------------------------
 
 class PromptTokensDetails(BaseModel):

@@ -36,24 +36,25 @@ class Endpoint:
     chunk: Models | None = None              # streamed (`stream: true`) as server-sent events
     errors: tuple[int, ...] = (401, 503)
     open: bool = False                       # no API key needed
+    lora_updates: bool = False               # served with --enable-lora-runtime-updates only
 
 
 ENDPOINTS = (
     Endpoint("post", "/generate", "Generate from one prompt", protocol.GenerateResponse,
              protocol.GenerateRequest, protocol.GenerateChunk, (400, 401, 413, 415, 500, 503)),
     Endpoint("post", "/v1/completions", "OpenAI completions", protocol.CompletionResponse,
-             protocol.CompletionRequest, protocol.CompletionResponse, (400, 401, 413, 415, 500, 503)),
+             protocol.CompletionRequest, protocol.CompletionResponse, (400, 401, 404, 413, 415, 500, 503)),
     Endpoint("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionResponse,
-             protocol.ChatCompletionRequest, protocol.ChatCompletionChunk, (400, 401, 413, 415, 500, 503)),
+             protocol.ChatCompletionRequest, protocol.ChatCompletionChunk, (400, 401, 404, 413, 415, 500, 503)),
     Endpoint("post", "/invocations", "SageMaker's route: a chat completion if the body has messages, else a "
              "completion", (protocol.CompletionResponse, protocol.ChatCompletionResponse),
              (protocol.CompletionRequest, protocol.ChatCompletionRequest),
-             (protocol.CompletionResponse, protocol.ChatCompletionChunk), (400, 401, 413, 415, 500, 503)),
+             (protocol.CompletionResponse, protocol.ChatCompletionChunk), (400, 401, 404, 413, 415, 500, 503)),
     Endpoint("post", "/tokenize", "Token ids of a prompt or a conversation (vLLM's)", protocol.TokenizeResponse,
-             protocol.TokenizeRequest, errors=(400, 401, 413, 415, 503)),
+             protocol.TokenizeRequest, errors=(400, 401, 404, 413, 415, 503)),
     Endpoint("post", "/detokenize", "The text of token ids (vLLM's)", protocol.DetokenizeResponse,
-             protocol.DetokenizeRequest, errors=(400, 401, 413, 415, 503)),
-    Endpoint("get", "/v1/models", "The served model", protocol.ModelList),
+             protocol.DetokenizeRequest, errors=(400, 401, 404, 413, 415, 503)),
+    Endpoint("get", "/v1/models", "The served model and its LoRA adapters", protocol.ModelList),
     Endpoint("get", "/v1/models/{model}", "One served model", protocol.ModelCard, errors=(401, 404, 503)),
     Endpoint("get", "/version", "The server's version", protocol.Version, errors=(401,)),
     Endpoint("get", "/health", "200 when ready, 503 while loading or draining", protocol.Health, errors=(503,),
@@ -61,18 +62,23 @@ ENDPOINTS = (
     Endpoint("get", "/ping", "As /health", protocol.Health, errors=(503,), open=True),
     Endpoint("get", "/metrics", "Prometheus metrics", "text/plain", errors=(401,)),
     Endpoint("get", "/openapi.json", "This document", "application/json", errors=(401,)),
+    Endpoint("post", "/v1/load_lora_adapter", "Serve a LoRA adapter from a path on the server (vLLM's)",
+             "text/plain", protocol.LoadLoRAAdapterRequest, errors=(400, 401, 413, 415, 503), lora_updates=True),
+    Endpoint("post", "/v1/unload_lora_adapter", "Stop serving a LoRA adapter (vLLM's)", "text/plain",
+             protocol.UnloadLoRAAdapterRequest, errors=(400, 401, 404, 413, 415, 503), lora_updates=True),
 )
 
 
-def openapi_document(title: str, version: str, with_api_key: bool) -> dict:
-    bodies = {m for e in ENDPOINTS for m in _models(e.body)}
-    models = {m for e in ENDPOINTS for part in (e.body, e.chunk, e.reply) for m in _models(part)}
+def openapi_document(title: str, version: str, with_api_key: bool, with_lora_updates: bool = False) -> dict:
+    endpoints = [e for e in ENDPOINTS if with_lora_updates or not e.lora_updates]
+    bodies = {m for e in endpoints for m in _models(e.body)}
+    models = {m for e in endpoints for part in (e.body, e.chunk, e.reply) for m in _models(part)}
     refs, schemas = models_json_schema(
         [(m, "validation" if m in bodies else "serialization") for m in sorted(models, key=str)]
         + [(protocol.ErrorResponse, "serialization")], ref_template="#/components/schemas/{model}")
     ref = {model: value for (model, _), value in refs.items()}
     paths: dict = {}
-    for endpoint in ENDPOINTS:
+    for endpoint in endpoints:
         paths.setdefault(endpoint.path, {})[endpoint.method] = _operation(endpoint, ref, with_api_key)
     document = {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
                 "components": {"schemas": schemas.get("$defs", {})}}

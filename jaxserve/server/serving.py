@@ -22,9 +22,11 @@ from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError, Reques
 from jaxserve.engine.beam_search import Beam, BeamSearch, BeamSearchParams, candidates, check_length, round_params
 from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.errors import InvalidRequestError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, validation_error
+from jaxserve.server.lora_names import LoraNames
 from jaxserve.server.openai_protocol import PromptTokensDetails, SamplingFields, Usage
 
 log = logging.getLogger(__name__)
@@ -38,17 +40,23 @@ class ServerContext:
     config: ServerConfig
     model_names: tuple[str, ...]  # the served name and its aliases; the first is the one metrics carry
     started: int                  # Unix time the app was made (the model's `created`)
+    loras: LoraNames              # the LoRA adapters served, by name
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
 
     def check_model(self, model: str | None) -> str:
-        """The served name a request asked for (the first when it names none)."""
-        if model is not None and model not in self.model_names:
-            served = ", ".join(map(repr, self.model_names))
-            raise APIError(400, f"model={model!r} is not served here; served: {served}", "model", "model_not_found")
+        """The served name (or LoRA adapter) a request asked for (the first name when it names none);
+        404 for a name not served."""
+        if model is not None and model not in self.model_names and model not in self.loras.requests:
+            served = ", ".join(map(repr, [*self.model_names, *self.loras.requests]))
+            raise APIError(404, f"model={model!r} is not served here; served: {served}", "model", "model_not_found")
         return model or self.model_name
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a checked model name runs with (None: the base model)."""
+        return self.loras.requests.get(model)
 
     async def sampling_params(self, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
         """The body's sampling parameters, checked against --max-n and the model's vocabulary, its
@@ -105,10 +113,10 @@ def _check_content_type(request: web.Request) -> None:
 
 
 async def admit(engine: AsyncEngine, prompts: Sequence[str | list[int]], params: SamplingParams,
-                request_id: str, priority: int = 0) -> list[RequestStream]:
+                request_id: str, priority: int = 0, lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """One engine request per prompt, admitted as a unit: all or none."""
     suffixes = [f"-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [""]
-    return await engine.add_requests(prompts, params, [request_id + s for s in suffixes], priority)
+    return await engine.add_requests(prompts, params, [request_id + s for s in suffixes], priority, lora_request)
 
 
 def failed_request(error: RequestFailedError) -> APIError:
@@ -119,7 +127,7 @@ def failed_request(error: RequestFailedError) -> APIError:
 
 
 async def beam_search(engine: AsyncEngine, prompt: list[int], params: BeamSearchParams, request_id: str,
-                      priority: int = 0) -> list[Beam]:
+                      priority: int = 0, lora_request: LoRARequest | None = None) -> list[Beam]:
     """One prompt's beam search: a round of one-token requests per token, one per live beam."""
     loaded = engine.loaded()
     check_length(len(prompt), params, loaded.max_model_len)
@@ -128,7 +136,7 @@ async def beam_search(engine: AsyncEngine, prompt: list[int], params: BeamSearch
         if search.done:
             return search.best()
         streams = await admit(engine, [prompt + list(beam.tokens) for beam in search.live], round_params(params),
-                              f"{request_id}-beam{step}", priority)
+                              f"{request_id}-beam{step}", priority, lora_request)
         search.advance([candidates(output) for output in await final_outputs(streams)])
 
 
