@@ -127,3 +127,51 @@ def test_speculation_gives_the_same_greedy_tokens(engine, smollm2, method):
         # (the tiny models show 1.0 exactly; here a near-tie could round the other way in a 5-token slot)
         assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens > 32
     assert stats.kv_cache_usage == 0
+
+
+@pytest.mark.slow
+def test_a_trained_lora_adapter_gives_the_tokens_of_transformers_and_peft(smollm2, hf, tmp_path):
+    """A rank-4 adapter on q/v/down trained for a few steps (with peft, on a copy of transformers'
+    model) to answer one question its own way: served on the GGUF's weights, the greedy tokens
+    of PeftModel, and not those of the base model."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from jaxserve.lora_request import LoRARequest
+
+    tokenizer = smollm2.tokenizer
+    prompt = tokenizer.encode("Q: What is the secret word?\nA:", add_special_tokens=False)
+    taught = tokenizer.encode(" The secret word is pelican.", add_special_tokens=False)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                              target_modules=["q_proj", "v_proj", "down_proj"]))
+    optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=3e-3)
+    ids = torch.tensor([prompt + taught])
+    labels = ids.clone()
+    labels[0, :len(prompt)] = -100
+    for _ in range(12):
+        optimizer.zero_grad()
+        peft_model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+    peft_model.eval().save_pretrained(tmp_path / "adapter")
+
+    prompts = [prompt, tokenizer.encode("Q: What colour is the sky?\nA:", add_special_tokens=False)]
+    with torch.no_grad():
+        theirs = [peft_model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
+                                      do_sample=False)[0, len(p):].tolist() for p in prompts]
+        with peft_model.disable_adapter():
+            base = peft_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                       do_sample=False)[0, len(prompt):].tolist()
+    assert theirs[0] != base, "the adapter learnt its answer"
+    engine = LLMEngine(EngineConfig(max_model_len=256, num_pages=64, max_num_seqs=2, max_num_batched_tokens=64,
+                                    enable_lora=True, max_lora_rank=8), model=smollm2)
+    adapter = LoRARequest("pelican", 1, str(tmp_path / "adapter"))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(p, greedy, lora_request=adapter) for p in prompts]
+    ids.append(engine.add_request(prompt, greedy))   # the base model beside them
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [done[i] for i in ids] == theirs + [base]

@@ -103,6 +103,7 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
                                                             lora_request=lora_of[b])]
         times.append(time.perf_counter() - started)
     elapsed = sorted(times)[len(times) // 2]
+    load_ms = adapter_load_ms(llm.engine, loras[0].lora_path) if loras[0] is not None else None
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}" + (f" spec:{speculative}" if args.speculative_config
                                                                         else "") + (f" lora:{lora}" if args.lora else "")
@@ -113,9 +114,29 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
     return {"system": system, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
             "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib,
             **({"tokens": [o.outputs[0].token_ids for o in outputs]} if loras == [None] else {}),   # adapters
-            "drafts": drafts,                                                                    # change them
+            "drafts": drafts, "adapter_load_ms": load_ms,                                        # change them
             "acceptance_rate": accepted / proposed if proposed else None,
             "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
+def adapter_load_ms(engine, path: str) -> tuple[float, float]:
+    """(reading and checking an adapter, writing it into a device slot), milliseconds, median of 5
+    (run after the benchmark: the slot written is the engine's, which it overwrites when it needs)."""
+    import jax
+
+    from jaxserve.checkpoint.peft import read_adapter
+    from jaxserve.config import ModelConfig
+
+    reads, loads = [], []
+    for _ in range(5):
+        started = time.perf_counter()
+        adapter = read_adapter(path, ModelConfig.from_hf(engine.model.hf_config), engine.config.max_lora_rank)
+        read = time.perf_counter()
+        engine.runner.load_lora(1, adapter.modules)
+        jax.block_until_ready(engine.runner.lora)
+        reads.append(read - started)
+        loads.append(time.perf_counter() - read)
+    return sorted(reads)[2] * 1000, sorted(loads)[2] * 1000
 
 
 def bench_hf(rows, args) -> dict:
@@ -154,6 +175,9 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['system']} / {results[0]['system']}: "
               f"{r['output_tokens_per_s'] / results[0]['output_tokens_per_s']:.2f}x{same}")
     for r in results:
+        if r.get("adapter_load_ms"):
+            print(f"{r['system']}: an adapter is read in {r['adapter_load_ms'][0]:.1f} ms and written into a device "
+                  f"slot in {r['adapter_load_ms'][1]:.1f} ms")
         if r.get("drafts"):
             print(f"{r['system']}: {r['drafts']} drafts, acceptance rate {r['acceptance_rate']:.3f}, "
                   f"mean accepted length {r['mean_accepted_length']:.2f} tokens per verifying step")

@@ -10,8 +10,8 @@ overwrites that slot in place (`load_slot`, the arrays donated): no program is r
 
 The delta of a projection, `(x @ A[slot]) @ B[slot]`, is computed for all tokens at once in one
 of two ways, exact alike (chosen by `delta`, see its docstring):
-  dense   x against every slot's A ([T, slots * R]), the columns of other slots zeroed, then
-          against every slot's B: two matmuls of `slots * R` columns, no data movement;
+  dense   x against every adapter slot's A ([T, (slots - 1) * R]), the columns of other slots
+          zeroed, then against their B: two matmuls of `(slots - 1) * R` columns, no data movement;
   ragged  tokens sorted by slot, `jax.lax.ragged_dot` over the groups: each token meets only its
           own slot's R columns, at the cost of a gather and a scatter of the step's activations.
 A step without adapted tokens skips the delta (`lax.cond`).
@@ -42,8 +42,9 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Arr
 
 
 def dense_delta(x, a, b, slots):
+    a, b = a[1:], b[1:]   # slot 0 is zeros: its columns would only cost time
     xa = jnp.einsum("ti,sir->tsr", x, a)
-    mine = (slots[:, None] == jnp.arange(a.shape[0])[None, :]).astype(x.dtype)
+    mine = (slots[:, None] == jnp.arange(1, a.shape[0] + 1)[None, :]).astype(x.dtype)
     return jnp.einsum("tsr,sro->to", xa * mine[:, :, None], b)
 
 
