@@ -103,7 +103,7 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
                                                             lora_request=lora_of[b])]
         times.append(time.perf_counter() - started)
     elapsed = sorted(times)[len(times) // 2]
-    load_ms = adapter_load_ms(llm.engine, loras[0].lora_path) if loras[0] is not None else None
+    load_ms = adapter_load_ms(llm.engine, loras[0]) if loras[0] is not None else None
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     system = f"jaxserve {mesh} w:{quantization} kv:{kv_cache_dtype}" + (f" spec:{speculative}" if args.speculative_config
                                                                         else "") + (f" lora:{lora}" if args.lora else "")
@@ -119,20 +119,18 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
             "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
-def adapter_load_ms(engine, path: str) -> tuple[float, float]:
-    """(reading and checking an adapter, writing it into a device slot), milliseconds, median of 5
-    (run after the benchmark: the slot written is the engine's, which it overwrites when it needs)."""
+def adapter_load_ms(engine, lora) -> tuple[float, float]:
+    """(reading and checking `lora`'s adapter, writing it into its device slot), milliseconds, median
+    of 5. The slot rewritten is the adapter's own, so the engine's slot table stays true."""
     import jax
 
-    from jaxserve.checkpoint.peft import read_adapter
-    from jaxserve.config import ModelConfig
-
+    slot = engine.lora_adapters.slots_for([lora.lora_int_id])[lora.lora_int_id]
     reads, loads = [], []
     for _ in range(5):
         started = time.perf_counter()
-        adapter = read_adapter(path, ModelConfig.from_hf(engine.model.hf_config), engine.config.max_lora_rank)
+        adapter = engine.read_adapter(lora.lora_path)
         read = time.perf_counter()
-        engine.runner.load_lora(1, adapter.modules)
+        engine.runner.load_lora(slot, adapter.modules)
         jax.block_until_ready(engine.runner.lora)
         reads.append(read - started)
         loads.append(time.perf_counter() - read)

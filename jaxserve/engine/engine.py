@@ -189,7 +189,7 @@ class LLMEngine:
                              max_loras=config.max_loras if config.enable_lora else 0,
                              max_lora_rank=config.max_lora_rank)
         self.lora_adapters = LoraAdapters(
-            config.max_loras, config.max_cpu_loras, self._read_adapter,
+            config.max_loras, config.max_cpu_loras, self.read_adapter,
             lambda slot, adapter: self.runner.load_lora(slot, adapter.modules)) if config.enable_lora else None
         draft = self._load_draft(spec)
         draft_bytes = kv_pool.bytes_per_page(draft.config, config.page_size, kv_dtype) if draft else 0
@@ -336,7 +336,8 @@ class LLMEngine:
                                                    f"sequence(s) in flight; unload it when they are done")
         self.lora_adapters.forget(lora_id)
 
-    def _read_adapter(self, path: str) -> LoraAdapter:
+    def read_adapter(self, path: str) -> LoraAdapter:
+        """The PEFT adapter at `path`, read and checked against this model and max_lora_rank."""
         return read_adapter(path, ModelConfig.from_hf(self.model.hf_config), self.config.max_lora_rank)
 
     def _truncate(self, text: str | None, token_ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
