@@ -41,7 +41,7 @@ class ModelConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int            # the dense MLP's; in a mixture of experts the shared expert's (0: none)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -59,6 +59,13 @@ class ModelConfig:
     sliding_window: int | None = None  # each query sees the last `sliding_window` keys (itself included)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (every layer; 0 experts: a dense MLP): each token's MLP is the weighted
+    # sum of its `num_experts_per_tok` experts of `moe_intermediate_size`, plus a shared expert
+    # under a sigmoid gate where `intermediate_size` is set (Qwen2-MoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False      # renormalise the k routing weights to sum to 1
 
     def __post_init__(self):
         _require(self.num_heads % self.num_kv_heads == 0,
@@ -69,6 +76,8 @@ class ModelConfig:
                  f"sliding_window={self.sliding_window} must be at least 1 (or none)")
         _require(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim,
                  f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
+        _require(not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -87,12 +96,13 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         eos = hf.get("eos_token_id")
+        moe = _read_moe(hf) if family.moe else {}
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=moe.pop("shared_size") if family.moe else hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -110,7 +120,23 @@ class ModelConfig:
             sliding_window=(hf.get("sliding_window") or None) if family.sliding_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
+
+
+def _read_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of Mixtral, Qwen2-MoE and Qwen3-MoE configs. Layers that
+    mix dense and sparse MLPs (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused: every
+    layer runs one program under `scan`."""
+    _require(not hf.get("mlp_only_layers") and hf.get("decoder_sparse_step", 1) == 1,
+             f"mlp_only_layers={hf.get('mlp_only_layers')} and decoder_sparse_step={hf.get('decoder_sparse_step')}: "
+             "models with dense layers among the expert layers are not supported (every layer must be sparse)")
+    mixtral = "moe_intermediate_size" not in hf
+    return dict(num_experts=hf.get("num_local_experts") or hf["num_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
+                norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),
+                shared_size=hf.get("shared_expert_intermediate_size") or 0)
 
 
 def _context_length(hf: dict[str, Any], sliding_window: bool) -> int:

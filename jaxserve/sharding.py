@@ -2,7 +2,8 @@
 
 The mesh has axes `('data', 'model')`. `model` is tensor parallelism: attention heads and KV heads,
 the MLP's intermediate dimension and the vocabulary of the embedding and LM head are split over
-it; XLA inserts the collectives. `data` is data parallelism inside the one program: every step's
+it; XLA inserts the collectives. A mixture of experts' experts are split over it whole (expert
+parallelism, `jaxserve.models.layers.moe`). `data` is data parallelism inside the one program: every step's
 arrays are D slices laid end to end on their leading (token or row) axis and split over `data`,
 and each slice's sequences live in that slice's own part of the KV pool. Weights are replicated
 over `data`. Attention runs under `shard_map` over both axes, each device on its slice's
@@ -48,6 +49,8 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)" + _PARTS, P(None, None, "model")),
     (r"layers/(q_bias|k_bias|v_bias|gate_bias|up_bias)", P(None, "model")),
     (r"layers/(o_proj|down_proj)" + _PARTS, P(None, "model", None)),
+    # experts [layers, experts, in, out]: expert parallelism, whole experts per device
+    (r"layers/(gate|up|down)_experts", P(None, "model", None, None)),
     # LoRA slots [layers, slots, in, R] / [layers, slots, R, out]: B as its column-parallel base, A
     # as its row-parallel base; the rest replicated
     (r"lora/(q_proj|k_proj|v_proj|gate_proj|up_proj)/b", P(None, None, None, "model")),

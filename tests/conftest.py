@@ -37,6 +37,15 @@ VARIANTS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=64, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
         short_factor=[1.0, 1.05, 1.1, 1.2, 1.3, 1.5], long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))),
+    # mixtures of experts: Mixtral top-2 of 4 (renormalised), Qwen3-MoE top-3 of 8 (norm_topk_prob),
+    # Qwen2-MoE top-2 of 4 unnormalised beside a gated shared expert
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            intermediate_size=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3,
+                                                                moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=32,
+                                                                shared_expert_intermediate_size=48)),
 }
 
 

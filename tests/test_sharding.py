@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.checkpoint.loader import expected_params
 from jaxserve.config import EngineConfig, ModelConfig
@@ -52,6 +53,15 @@ def test_rule_table_covers_every_parameter():
         name, spec = "/".join(path), spec_for("/".join(path))
         assert len(spec) <= param.ndim, name
         assert ("model" in spec) == (name not in replicated), name   # split exactly where it should be
+
+
+def test_experts_are_split_whole_over_the_model_axis():
+    cfg = dataclasses.replace(_config(8, 2), architecture="Qwen2MoeForCausalLM", num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=8)   # with a shared expert
+    specs = {"/".join(p): spec_for("/".join(p)) for p in expected_params(abstract_model(cfg, np.float32)[1])}
+    assert specs["layers/gate_experts"] == specs["layers/down_experts"] == P(None, "model", None, None)
+    assert specs["layers/router"] == specs["layers/shared_expert_gate"] == P()
+    assert specs["layers/gate_proj"] == spec_for("layers/q_proj")   # the shared expert: tensor parallel
 
 
 def _config(heads, kv_heads, head_dim=4):
@@ -158,6 +168,17 @@ def test_lora_adapters_give_the_1x1_tokens_on_meshes(tmp_path, smollm2_tokenizer
     for mesh in meshes.split(",")[1:]:
         assert (results[f"lora_{mesh}"] == results["lora_1x1"]).all(), mesh
         assert results[f"lora_misplaced_{mesh}"].tolist() == [], "LoRA shardings differ from the rule table"
+
+
+@pytest.mark.slow
+def test_experts_split_over_the_model_axis_give_the_1x1_logits(tmp_path, smollm2_tokenizer):
+    # Qwen2-MoE: 4 experts (2, 1 per device on M = 2, 4) beside a tensor-parallel shared expert
+    write_tiny_model(tmp_path / "model", "qwen2_moe", smollm2_tokenizer)
+    meshes = "1x1,1x2,2x2,1x4"
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes)
+    for mesh in meshes.split(",")[1:]:
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
 
 
 @pytest.mark.slow

@@ -136,7 +136,7 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
         if quantization not in ("auto", orbax.quantization_of(formats)):
             raise ValueError(f"{path} was converted with quantization={orbax.quantization_of(formats)!r}; "
                              f"it loads with quantization='auto' or that, not {quantization!r}")
-        graphdef, abstract = abstract_model(config, dtype, formats)
+        graphdef, abstract = abstract_model(config, dtype, formats, mesh)
         expected = expected_params(abstract)
         if mesh is not None and not needs_rearranging(config, mesh):
             expected = {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding_for(mesh, "/".join(p), s.shape))
@@ -146,7 +146,7 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
         hf_config, tensors, native = read_checkpoint(path, native=quantization == "auto")
         config = ModelConfig.from_hf(hf_config)
         formats = weight_formats(quantization, config, native)
-        graphdef, abstract = abstract_model(config, dtype, formats)
+        graphdef, abstract = abstract_model(config, dtype, formats, mesh)
         shapes = {p: s.shape for p, s in expected_params(abstract).items()}
         values = map_hf_weights(tensors, shapes, dtype, formats)   # host arrays
     if mesh is not None:
@@ -176,7 +176,7 @@ def _onto_mesh(config: ModelConfig, dtype, formats: dict[str, WeightFormat], val
     if needs_rearranging(config, mesh):
         host = {p: np.asarray(v) for p, v in values.items()}
         config, values = pad_heads(config, host, mesh.shape["model"])
-    graphdef, abstract = abstract_model(config, dtype, formats)
+    graphdef, abstract = abstract_model(config, dtype, formats, mesh)
     placed = {p: v if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding)  # orbax put it there
               else jax.device_put(np.asarray(v), sharding_for(mesh, "/".join(p), v.shape))
               for p, v in values.items()}

@@ -1,9 +1,10 @@
 """Hugging Face weight names -> jaxserve parameter paths, as one declarative table per family.
 
 Every family we run uses Llama's names (Phi-3's fused `qkv_proj` and `gate_up_proj` are split
-into them first, `split_fused`), so one table serves them all; a parameter the model does
-not have (say `q_bias` on Llama) is simply never asked for. HF stores linear weights `[out, in]`;
-we store `[in, out]`. Per-layer tensors are stacked on a leading layer axis.
+into them first, `split_fused`) plus the mixture-of-experts names of Mixtral and Qwen-MoE, so one
+table serves them all; a parameter the model does not have (say `q_bias` on Llama) is simply
+never asked for. HF stores linear weights `[out, in]`; we store `[in, out]`. Per-layer tensors
+are stacked on a leading layer axis, and each expert's on a second, expert axis.
 
 A weight with a `WeightFormat` is stored as its parts (`layers/q_proj/value`, `.../scale`, ...):
 a checkpoint tensor already in that format is taken as it is, a float one is quantized, and a
@@ -33,6 +34,7 @@ def _transpose(w: np.ndarray) -> np.ndarray:
 
 
 _LAYER = r"model\.layers\.(\d+)\."
+_EXPERT = r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
 
 # (HF name pattern, our path, transform). A pattern with a layer group fills one slice of a stack.
 LLAMA_WEIGHT_MAP: tuple[tuple[str, tuple[str, ...], Transform], ...] = (
@@ -57,6 +59,16 @@ LLAMA_WEIGHT_MAP: tuple[tuple[str, tuple[str, ...], Transform], ...] = (
     (_LAYER + r"mlp\.gate_proj\.bias", ("layers", "gate_bias"), _same),
     (_LAYER + r"mlp\.up_proj\.bias", ("layers", "up_bias"), _same),
     (_LAYER + r"mlp\.down_proj\.bias", ("layers", "down_bias"), _same),
+    # mixtures of experts: the router, each expert (Mixtral's w1/w3/w2 are gate/up/down), and
+    # Qwen2-MoE's shared expert as the dense MLP with its sigmoid gate
+    (_LAYER + r"(?:block_sparse_moe|mlp)\.gate\.weight", ("layers", "router"), _transpose),
+    (_LAYER + _EXPERT + r"(?:w1|gate_proj)\.weight", ("layers", "gate_experts"), _transpose),
+    (_LAYER + _EXPERT + r"(?:w3|up_proj)\.weight", ("layers", "up_experts"), _transpose),
+    (_LAYER + _EXPERT + r"(?:w2|down_proj)\.weight", ("layers", "down_experts"), _transpose),
+    (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", ("layers", "gate_proj"), _transpose),
+    (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", ("layers", "up_proj"), _transpose),
+    (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", ("layers", "down_proj"), _transpose),
+    (_LAYER + r"mlp\.shared_expert_gate\.weight", ("layers", "shared_expert_gate"), _transpose),
 )
 
 # Fused HF tensors (Phi-3) -> the unfused names they stand for, in row order ([out, in]).
@@ -131,33 +143,35 @@ def map_hf_weights(tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]], 
                 continue  # a tied model may still ship lm_head.weight
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         m, path, transform = match
-        layer = int(m.group(1)) if m.groups() else None
+        index = tuple(int(g) for g in m.groups())   # (), (layer,) or (layer, expert)
         fmt = formats.get("/".join(path))
         if isinstance(tensor, QuantizedTensor) and tensor.fmt != fmt:
             tensor = tensor.dequantized()
         if fmt is None:
-            _put(out, filled, expected, name, path, layer, transform(np.asarray(tensor)).astype(dtype))
+            _put(out, filled, expected, name, path, index, transform(np.asarray(tensor)).astype(dtype))
             continue
         if not isinstance(tensor, QuantizedTensor):
             tensor = quantize(tensor, fmt)
         for part, value in tensor.ours(vocab_major=path in (("embed",), ("lm_head",))).items():
-            _put(out, filled, expected, name, path + (part,), layer, value)
+            _put(out, filled, expected, name, path + (part,), index, value)
     _check_complete(out, filled, expected)
     return out
 
 
-def _put(out, filled, expected, name: str, path: tuple[str, ...], layer: int | None, value: np.ndarray) -> None:
-    """Stores one tensor, or one layer's slice of a stacked one."""
+def _put(out, filled, expected, name: str, path: tuple[str, ...], index: tuple[int, ...], value: np.ndarray) -> None:
+    """Stores one tensor, or one slice of a stacked one: `index` is its (layer,) or (layer, expert)."""
     shape = expected[path]
-    if layer is None:
+    if not index:
         _check_shape(name, value.shape, shape)
         out[path] = value
         return
-    _check_shape(name, value.shape, shape[1:])
+    _check_shape(name, value.shape, shape[len(index):])
+    if any(i >= n for i, n in zip(index, shape)):
+        raise ValueError(f"checkpoint tensor {name!r}: index {index} is outside the model's {shape[:len(index)]}")
     if path not in out:
         out[path] = np.empty(shape, value.dtype)
-    out[path][layer] = value
-    filled.setdefault(path, set()).add(layer)
+    out[path][index] = value
+    filled.setdefault(path, set()).add(index)
 
 
 def _check_shape(name: str, got: tuple, want: tuple) -> None:
@@ -167,10 +181,11 @@ def _check_shape(name: str, got: tuple, want: tuple) -> None:
 
 def _check_complete(out, filled, expected) -> None:
     missing = ["/".join(p) for p in expected if p not in out]
-    for path, layers in filled.items():
-        num_layers = expected[path][0]
-        if len(layers) != num_layers:
-            lacking = sorted(set(range(num_layers)) - layers)
-            missing.append(f"{'/'.join(path)} (layers {lacking})")
+    for path, indices in filled.items():
+        stacked = expected[path][:len(next(iter(indices)))]   # (layers,) or (layers, experts)
+        if len(indices) != np.prod(stacked):
+            lacking = sorted(set(np.ndindex(*stacked)) - indices)
+            what = "layers" if len(stacked) == 1 else "(layer, expert)"
+            missing.append(f"{'/'.join(path)} ({what} {[i[0] if len(i) == 1 else i for i in lacking][:8]})")
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing)}")

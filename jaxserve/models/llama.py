@@ -1,10 +1,12 @@
-"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) in Flax NNX.
+"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and with a
+mixture of experts Mixtral, Qwen2-MoE, Qwen3-MoE) in Flax NNX.
 
 All layers' weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so a
 program compiles in about the time of one layer whatever the depth. Weights are created abstractly
 (`nnx.eval_shape`) and filled from a checkpoint; nothing here initialises random weights.
 Linear weights are stored `[in, out]`, as float arrays or as quantized weights
-(`jaxserve.models.layers.linear`), chosen per weight by `formats`.
+(`jaxserve.models.layers.linear`), chosen per weight by `formats`. Experts are stacked float
+weights `[experts, in, out]`, split over the mesh's `model` axis (`jaxserve.models.layers.moe`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import lora
 from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
 from jaxserve.models.layers.linear import QuantizedWeight, WeightFormat, Weight, embed_lookup, lm_head, matmul
+from jaxserve.models.layers.moe import experts, route
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rope import apply_rope, rope_for
 
@@ -37,8 +41,9 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     d, q_dim, kv_dim, ffn = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                              cfg.intermediate_size)
     shapes = {"layers/q_proj": (d, q_dim), "layers/k_proj": (d, kv_dim), "layers/v_proj": (d, kv_dim),
-              "layers/o_proj": (q_dim, d), "layers/gate_proj": (d, ffn), "layers/up_proj": (d, ffn),
-              "layers/down_proj": (ffn, d), "embed": (d, cfg.vocab_size)}
+              "layers/o_proj": (q_dim, d), "embed": (d, cfg.vocab_size)}
+    if ffn:   # the dense MLP, or a mixture of experts' shared expert
+        shapes.update({"layers/gate_proj": (d, ffn), "layers/up_proj": (d, ffn), "layers/down_proj": (ffn, d)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
     return shapes
@@ -59,11 +64,14 @@ def _weight(path: str, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm block: attention over the paged KV pool, then a SwiGLU MLP."""
+    """One pre-norm block: attention over the paged KV pool, then a SwiGLU MLP, a mixture of
+    SwiGLU experts, or both (the MLP as the shared expert). `mesh`: where the experts are split."""
 
-    def __init__(self, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]):
+    def __init__(self, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat], mesh: Mesh | None = None):
         d, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        dense, moe = cfg.intermediate_size > 0, cfg.num_experts > 0
         self.cfg = cfg
+        self.mesh = mesh
         self.input_norm = _param((d,), dtype)
         self.q_proj = _weight("layers/q_proj", cfg, dtype, formats)
         self.k_proj = _weight("layers/k_proj", cfg, dtype, formats)
@@ -76,12 +84,18 @@ class DecoderLayer(nnx.Module):
         self.q_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
         self.k_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
         self.post_attention_norm = _param((d,), dtype)
-        self.gate_proj = _weight("layers/gate_proj", cfg, dtype, formats)
-        self.up_proj = _weight("layers/up_proj", cfg, dtype, formats)
-        self.down_proj = _weight("layers/down_proj", cfg, dtype, formats)
-        self.gate_bias = _maybe(cfg.mlp_bias, (cfg.intermediate_size,), dtype)
-        self.up_bias = _maybe(cfg.mlp_bias, (cfg.intermediate_size,), dtype)
-        self.down_bias = _maybe(cfg.mlp_bias, (d,), dtype)
+        self.gate_proj = _weight("layers/gate_proj", cfg, dtype, formats) if dense else None
+        self.up_proj = _weight("layers/up_proj", cfg, dtype, formats) if dense else None
+        self.down_proj = _weight("layers/down_proj", cfg, dtype, formats) if dense else None
+        self.gate_bias = _maybe(dense and cfg.mlp_bias, (cfg.intermediate_size,), dtype)
+        self.up_bias = _maybe(dense and cfg.mlp_bias, (cfg.intermediate_size,), dtype)
+        self.down_bias = _maybe(dense and cfg.mlp_bias, (d,), dtype)
+        experts_, ffn = cfg.num_experts, cfg.moe_intermediate_size
+        self.router = _maybe(moe, (d, experts_), dtype)
+        self.gate_experts = _maybe(moe, (experts_, d, ffn), dtype)
+        self.up_experts = _maybe(moe, (experts_, d, ffn), dtype)
+        self.down_experts = _maybe(moe, (experts_, ffn, d), dtype)
+        self.shared_expert_gate = _maybe(moe and dense, (d, 1), dtype)
 
     def __call__(self, x, kv_pages: KVPages, layer, meta: AttentionMetadata,
                  attention: AttentionBackend, adapters=None):
@@ -106,10 +120,21 @@ class DecoderLayer(nnx.Module):
         x = x + linear(attn.reshape(attn.shape[0], -1), "o_proj", self.o_bias)
 
         h = rms_norm(x, self.post_attention_norm[...], cfg.rms_norm_eps)
-        gate = linear(h, "gate_proj", self.gate_bias)
-        up = linear(h, "up_proj", self.up_bias)
-        x = x + linear(jax.nn.silu(gate) * up, "down_proj", self.down_bias)
-        return x, kv_pages
+        return x + self._mlp(h, linear), kv_pages
+
+    def _mlp(self, h, linear):
+        cfg, out = self.cfg, 0.0
+        if cfg.intermediate_size:
+            gate = linear(h, "gate_proj", self.gate_bias)
+            up = linear(h, "up_proj", self.up_bias)
+            out = linear(jax.nn.silu(gate) * up, "down_proj", self.down_bias)
+            if cfg.num_experts:   # Qwen2-MoE's shared expert, under its sigmoid gate
+                out = jax.nn.sigmoid(h @ self.shared_expert_gate[...]) * out
+        if cfg.num_experts:
+            weights, ids = route(h, self.router[...], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            out = out + experts(h, weights, ids, self.gate_experts[...], self.up_experts[...],
+                                self.down_experts[...], self.mesh)
+        return out
 
 
 def _linear(x, kernel: Weight, bias: nnx.Param | None):
@@ -120,12 +145,14 @@ def _linear(x, kernel: Weight, bias: nnx.Param | None):
 class Llama(nnx.Module):
     """Embedding, `num_layers` stacked decoder layers, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, formats: dict[str, WeightFormat] | None = None):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, formats: dict[str, WeightFormat] | None = None,
+                 mesh: Mesh | None = None):
         formats = formats or {}
         self.cfg = cfg
         self.dtype = dtype
         self.embed = _weight("embed", cfg, dtype, formats)
-        self.layers = nnx.vmap(lambda: DecoderLayer(cfg, dtype, formats), axis_size=cfg.num_layers)()
+        expert_mesh = mesh if cfg.num_experts else None
+        self.layers = nnx.vmap(lambda: DecoderLayer(cfg, dtype, formats, expert_mesh), axis_size=cfg.num_layers)()
         self.final_norm = _param((cfg.hidden_size,), dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _weight("lm_head", cfg, dtype, formats)
 
@@ -161,7 +188,11 @@ class Llama(nnx.Module):
         return lm_head(x, self.embed, self.lm_head).astype(jnp.float32)
 
 
-def abstract_model(cfg: ModelConfig, dtype, formats: dict[str, WeightFormat] | None = None
-                   ) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and a state of `ShapeDtypeStruct`s to fill from a checkpoint."""
-    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, formats)))
+def abstract_model(cfg: ModelConfig, dtype, formats: dict[str, WeightFormat] | None = None,
+                   mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and a state of `ShapeDtypeStruct`s to fill from a checkpoint. `mesh`:
+    the one the weights will live on (experts are split over its `model` axis)."""
+    if cfg.num_experts and mesh is not None and cfg.num_experts % mesh.shape["model"]:
+        raise ValueError(f"num_experts={cfg.num_experts} does not split over the mesh's model axis "
+                         f"({mesh.shape['model']}): use a model size that divides {cfg.num_experts}")
+    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, formats, mesh)))

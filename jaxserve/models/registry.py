@@ -10,6 +10,7 @@ class Family:
     qkv_bias: bool = False  # bias on q/k/v projections even without `attention_bias` (Qwen2)
     qk_norm: bool = False   # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     sliding_window: bool = False  # every layer attends within config.sliding_window (Mistral, Phi-3)
+    moe: bool = False       # a mixture of experts in every layer's MLP (see models/layers/moe.py)
 
 
 FAMILIES: dict[str, Family] = {
@@ -18,6 +19,9 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(qkv_bias=True),
     "Qwen3ForCausalLM": Family(qk_norm=True),
     "Phi3ForCausalLM": Family(sliding_window=True),           # fused qkv / gate_up split at load; LongRoPE, partial rotary
+    "MixtralForCausalLM": Family(sliding_window=True, moe=True),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),  # with a gated shared expert
+    "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=True),
 }
 
 

@@ -1,0 +1,78 @@
+"""Mixture of experts: a softmax top-k router and SwiGLU experts stored as stacked weights.
+
+The step's (token, choice) pairs are sorted by expert so that each expert's rows are contiguous,
+and every projection is one `jax.lax.ragged_dot` over those groups: compute grows with the tokens
+times k, not with the number of experts. `dense_experts` (every token through every expert, a
+one-hot weighted sum) is the plain reference the tests hold it to.
+
+Expert parallelism: on a mesh the experts are split over the `model` axis (the partition rule
+table says so). Tokens are already replicated over `model` (tensor parallelism keeps activations
+whole between layers), so no token moves: each device runs the pairs routed to its own experts,
+and one sum over `model` combines them, the same all-reduce a row-parallel projection ends with.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+
+def route(h: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """h [T, hidden], router [hidden, experts] -> (weights [T, k] float32, expert ids [T, k] int32):
+    the k largest softmax probabilities, renormalised to sum to 1 when `normalize` (Mixtral,
+    Qwen's `norm_topk_prob`)."""
+    probs = jax.nn.softmax((h @ router).astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def routed_experts(x, weights, ids, gate, up, down, first_expert=0) -> jax.Array:
+    """The weighted sum of the experts `first_expert ... first_expert + E - 1` over the pairs routed
+    to them. x [T, hidden]; weights, ids [T, k]; gate, up [E, hidden, ffn]; down [E, ffn, hidden].
+    Pairs routed to other experts add nothing (another device holds those)."""
+    top_k = ids.shape[1]
+    num_local = gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                      # pairs grouped by expert
+    # pairs per local expert (one_hot of another device's expert is all zeros)
+    counts = jnp.sum(jax.nn.one_hot(flat - first_expert, num_local, dtype=jnp.int32), axis=0)
+    start = jnp.sum(flat < first_expert)                        # sorted pairs before the first local expert
+    pairs = order[(jnp.arange(flat.shape[0]) + start) % flat.shape[0]]   # local experts' pairs first
+    rows = x[pairs // top_k]
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, counts)) * jax.lax.ragged_dot(rows, up, counts)
+    out = jax.lax.ragged_dot(h.astype(x.dtype), down, counts)
+    scale = jnp.where(jnp.arange(flat.shape[0]) < jnp.sum(counts), weights.reshape(-1)[pairs], 0.0)
+    # back to (token, choice) order, then each token's k rows summed: the same order of additions
+    # whatever else is in the batch (a scatter-add's order is not fixed)
+    unsorted = jnp.zeros_like(out).at[pairs].set(out * scale[:, None].astype(out.dtype))
+    return jnp.sum(unsorted.reshape(-1, top_k, out.shape[-1]), axis=1)
+
+
+def dense_experts(x, weights, ids, gate, up, down) -> jax.Array:
+    """The reference: every token through every expert, weighted by its one-hot routing."""
+    mix = jnp.sum(jax.nn.one_hot(ids, gate.shape[0], dtype=jnp.float32) * weights[..., None], axis=1)   # [T, E]
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", x, gate)) * jnp.einsum("td,edf->tef", x, up)
+    return jnp.einsum("tef,efd,te->td", h, down, mix.astype(x.dtype))
+
+
+def experts(x, weights, ids, gate, up, down, mesh: Mesh | None) -> jax.Array:
+    """`routed_experts` over all experts; on a mesh each device takes its `model` slice of them
+    and its `data` slice of the tokens."""
+    if mesh is None:
+        return routed_experts(x, weights, ids, gate, up, down)
+    tokens, split = P("data"), P("model")
+    return jax.shard_map(functools.partial(_expert_shard, mesh.shape["model"]), mesh=mesh,
+                         in_specs=(tokens, tokens, tokens, split, split, split), out_specs=tokens)(
+        x, weights, ids, gate, up, down)
+
+
+def _expert_shard(model_size: int, x, weights, ids, gate, up, down):
+    first = jax.lax.axis_index("model") * gate.shape[0]
+    partial = routed_experts(x, weights, ids, gate, up, down, first)
+    return jax.lax.psum(partial, "model") if model_size > 1 else partial

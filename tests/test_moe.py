@@ -1,0 +1,109 @@
+"""Mixture of experts: the ragged expert computation against the dense one-hot reference, experts
+split like expert parallelism splits them, batch invariance, and an MoE model served by the engine
+(its logits against transformers are in test_llama.py; on meshes in test_sharding.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+from jaxserve.checkpoint.loader import load_model
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.models.layers.moe import dense_experts, route, routed_experts
+from jaxserve.models.llama import abstract_model
+from jaxserve.sampling_params import SamplingParams
+
+
+def _random_moe(rng, tokens, hidden, ffn, num_experts, top_k, normalize=True):
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
+    router = jnp.asarray(rng.normal(size=(hidden, num_experts)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(num_experts, hidden, ffn)) / hidden ** 0.5, jnp.float32)
+                for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(num_experts, ffn, hidden)) / ffn ** 0.5, jnp.float32)
+    weights, ids = route(x, router, top_k, normalize)
+    return x, weights, ids, gate, up, down
+
+
+@pytest.mark.parametrize("tokens, hidden, ffn, num_experts, top_k", [
+    (1, 8, 4, 2, 1), (13, 16, 8, 5, 2), (40, 32, 24, 8, 3), (64, 16, 8, 16, 8)])
+def test_ragged_experts_equal_the_dense_reference(tokens, hidden, ffn, num_experts, top_k):
+    rng = np.random.default_rng(tokens)
+    args = _random_moe(rng, tokens, hidden, ffn, num_experts, top_k)
+    np.testing.assert_allclose(routed_experts(*args), dense_experts(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_experts_split_over_devices_sum_to_all_of_them():
+    """What each device of a 4-way expert-parallel mesh computes, summed, is the whole."""
+    x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(0), 24, 16, 8, 8, 2)
+    parts = [routed_experts(x, weights, ids, gate[i:i + 2], up[i:i + 2], down[i:i + 2], i) for i in range(0, 8, 2)]
+    assert all(np.abs(p).max() > 0 for p in parts), "every device has pairs to run"
+    np.testing.assert_allclose(sum(parts), routed_experts(x, weights, ids, gate, up, down), atol=1e-5, rtol=0)
+
+
+def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch():
+    x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(1), 32, 16, 8, 8, 3)
+    whole = routed_experts(x, weights, ids, gate, up, down)
+    rows = np.array([3, 17, 30])
+    alone = routed_experts(x[rows], weights[rows], ids[rows], gate, up, down)
+    np.testing.assert_array_equal(alone, whole[rows])
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_takes_the_top_k_softmax_probabilities(normalize):
+    rng = np.random.default_rng(2)
+    h, router = rng.normal(size=(5, 8)).astype(np.float32), rng.normal(size=(8, 6)).astype(np.float32)
+    weights, ids = route(jnp.asarray(h), jnp.asarray(router), 2, normalize)
+    logits = h @ router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected_ids = np.argsort(-probs, axis=-1)[:, :2]
+    expected = np.take_along_axis(probs, expected_ids, -1)
+    if normalize:
+        expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_allclose(weights, expected, rtol=1e-5)
+
+
+def _moe_config(**overrides):
+    fields = dict(architecture="Qwen3MoeForCausalLM", vocab_size=16, hidden_size=16, intermediate_size=0,
+                  num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                  max_position_embeddings=64, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def test_bad_expert_settings_are_refused():
+    with pytest.raises(ValueError, match="num_experts=6 does not split over the mesh's model axis"):
+        abstract_model(_moe_config(), jnp.float32, mesh=AbstractMesh((1, 4), ("data", "model")))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=7 must be in \[1, num_experts=6\]"):
+        _moe_config(num_experts_per_tok=7)
+    hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=16, hidden_size=16, intermediate_size=32,
+              num_hidden_layers=2, num_attention_heads=2, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=8, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\].*not supported"):
+        ModelConfig.from_hf(hf)
+    assert ModelConfig.from_hf({**hf, "mlp_only_layers": []}).num_experts == 4
+
+
+def test_engine_serves_an_moe_model_batch_invariantly(tiny_models):
+    """Greedy tokens of prompts run together (chunked, beside each other's decodes) equal each run
+    alone: which experts a token meets never depends on its neighbours."""
+    model = load_model(str(tiny_models("qwen3_moe")[0]), "float32")
+    assert model.config.num_experts == 8 and model.config.intermediate_size == 0
+    engine = LLMEngine(EngineConfig(max_model_len=128, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                    prefill_chunk=16), model=model)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 23, 41)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def generate(batch):
+        ids = [engine.add_request(p, params) for p in batch]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    together = generate(prompts)
+    assert together == [generate([p])[0] for p in prompts]
+    assert len({tuple(t) for t in together}) == 3
