@@ -2,7 +2,6 @@
 split like expert parallelism splits them, batch invariance, and an MoE model served by the engine
 (its logits against transformers are in test_llama.py; on meshes in test_sharding.py)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,28 +25,34 @@ def _random_moe(rng, tokens, hidden, ffn, num_experts, top_k, normalize=True):
     return x, weights, ids, gate, up, down
 
 
+# (1, .., 2, 1) and (3, .., 8, 2): no more pairs than experts, so `tiled` gathers each pair's
+# expert; (40, .., 8, 3): 120 pairs in tiles of 64, several tiles for some experts
+@pytest.mark.parametrize("method", ["ragged", "tiled"])
 @pytest.mark.parametrize("tokens, hidden, ffn, num_experts, top_k", [
-    (1, 8, 4, 2, 1), (13, 16, 8, 5, 2), (40, 32, 24, 8, 3), (64, 16, 8, 16, 8)])
-def test_ragged_experts_equal_the_dense_reference(tokens, hidden, ffn, num_experts, top_k):
+    (1, 8, 4, 2, 1), (3, 16, 8, 8, 2), (13, 16, 8, 5, 2), (40, 32, 24, 8, 3), (64, 16, 8, 16, 8)])
+def test_routed_experts_equal_the_dense_reference(method, tokens, hidden, ffn, num_experts, top_k):
     rng = np.random.default_rng(tokens)
     args = _random_moe(rng, tokens, hidden, ffn, num_experts, top_k)
-    np.testing.assert_allclose(routed_experts(*args), dense_experts(*args), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(routed_experts(*args, method=method), dense_experts(*args), atol=1e-5, rtol=1e-5)
 
 
-def test_experts_split_over_devices_sum_to_all_of_them():
-    """What each device of a 4-way expert-parallel mesh computes, summed, is the whole."""
-    x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(0), 24, 16, 8, 8, 2)
-    parts = [routed_experts(x, weights, ids, gate[i:i + 2], up[i:i + 2], down[i:i + 2], i) for i in range(0, 8, 2)]
-    assert all(np.abs(p).max() > 0 for p in parts), "every device has pairs to run"
-    np.testing.assert_allclose(sum(parts), routed_experts(x, weights, ids, gate, up, down), atol=1e-5, rtol=0)
+@pytest.mark.parametrize("method", ["ragged", "tiled"])
+@pytest.mark.parametrize("tokens, per_device", [(24, 2), (2, 4)])   # (2, 4): tiled gathers
+def test_experts_split_over_devices_sum_to_all_of_them(method, tokens, per_device):
+    """What each device of an expert-parallel mesh computes, summed, is the whole."""
+    x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(0), tokens, 16, 8, 8, 2)
+    parts = [routed_experts(x, weights, ids, gate[i:i + per_device], up[i:i + per_device], down[i:i + per_device],
+                            i, method) for i in range(0, 8, per_device)]
+    assert all(np.abs(p).max() > 0 for p in parts) or tokens < 8, "every device has pairs to run"
+    np.testing.assert_allclose(sum(parts), dense_experts(x, weights, ids, gate, up, down), atol=1e-5, rtol=0)
 
 
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch():
     x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(1), 32, 16, 8, 8, 3)
     whole = routed_experts(x, weights, ids, gate, up, down)
-    rows = np.array([3, 17, 30])
-    alone = routed_experts(x[rows], weights[rows], ids[rows], gate, up, down)
-    np.testing.assert_array_equal(alone, whole[rows])
+    for rows in (np.array([3, 17, 30]), np.array([5, 6])):   # tiled, and gathered (6 pairs, 8 experts)
+        alone = routed_experts(x[rows], weights[rows], ids[rows], gate, up, down)
+        np.testing.assert_allclose(alone, whole[rows], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("normalize", [True, False])

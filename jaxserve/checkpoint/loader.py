@@ -111,6 +111,9 @@ def weight_formats(quantization: str, config: ModelConfig, native: dict[str, Wei
         return {}
     formats = {}
     for p, fmt in native.items():
+        if p not in shapes:   # experts are computed in float (layers/moe.py)
+            log.info("%s is stored %s in the checkpoint; dequantised at load", p, fmt.name)
+            continue
         try:
             fmt.check(p, shapes[p][0])
             formats[p] = fmt

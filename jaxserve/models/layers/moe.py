@@ -1,8 +1,9 @@
 """Mixture of experts: a softmax top-k router and SwiGLU experts stored as stacked weights.
 
 The step's (token, choice) pairs are sorted by expert so that each expert's rows are contiguous,
-and every projection is one `jax.lax.ragged_dot` over those groups: compute grows with the tokens
-times k, not with the number of experts. `dense_experts` (every token through every expert, a
+and every projection is one `jax.lax.ragged_dot` over those groups (on a CPU, where XLA's
+ragged_dot runs every expert, a loop over tiles of rows within one expert): compute grows with
+the tokens times k, not with the number of experts. `dense_experts` (every token through every expert, a
 one-hot weighted sum) is the plain reference the tests hold it to.
 
 Expert parallelism: on a mesh the experts are split over the `model` axis (the partition rule
@@ -32,10 +33,19 @@ def route(h: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple
     return weights, ids.astype(jnp.int32)
 
 
-def routed_experts(x, weights, ids, gate, up, down, first_expert=0) -> jax.Array:
+def default_method() -> str:
+    """`ragged` (`jax.lax.ragged_dot`: TPU and GPU kernels) except on a CPU, where XLA's
+    ragged_dot costs about as much as running every expert (tools/bench_moe.py): `tiled` there."""
+    return "tiled" if jax.default_backend() == "cpu" else "ragged"
+
+
+def routed_experts(x, weights, ids, gate, up, down, first_expert=0, method: str | None = None) -> jax.Array:
     """The weighted sum of the experts `first_expert ... first_expert + E - 1` over the pairs routed
     to them. x [T, hidden]; weights, ids [T, k]; gate, up [E, hidden, ffn]; down [E, ffn, hidden].
-    Pairs routed to other experts add nothing (another device holds those)."""
+    Pairs routed to other experts add nothing (another device holds those). `method`: how the
+    grouped rows meet their experts, `ragged` or `tiled` (None: `default_method()`); `tiled`
+    gathers each pair's expert weights instead when there are no more pairs than experts."""
+    method = method or default_method()
     top_k = ids.shape[1]
     num_local = gate.shape[0]
     flat = ids.reshape(-1)
@@ -45,13 +55,55 @@ def routed_experts(x, weights, ids, gate, up, down, first_expert=0) -> jax.Array
     start = jnp.sum(flat < first_expert)                        # sorted pairs before the first local expert
     pairs = order[(jnp.arange(flat.shape[0]) + start) % flat.shape[0]]   # local experts' pairs first
     rows = x[pairs // top_k]
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, counts)) * jax.lax.ragged_dot(rows, up, counts)
-    out = jax.lax.ragged_dot(h.astype(x.dtype), down, counts)
+    if method == "ragged":
+        out = ragged_mlp(rows, counts, gate, up, down)
+    elif flat.shape[0] <= num_local:   # a few pairs (decodes): each reads its own expert's weights
+        out = gathered_mlp(rows, jnp.clip(flat[pairs] - first_expert, 0, num_local - 1), gate, up, down)
+    else:
+        out = tiled_mlp(rows, counts, gate, up, down)
     scale = jnp.where(jnp.arange(flat.shape[0]) < jnp.sum(counts), weights.reshape(-1)[pairs], 0.0)
     # back to (token, choice) order, then each token's k rows summed: the same order of additions
     # whatever else is in the batch (a scatter-add's order is not fixed)
     unsorted = jnp.zeros_like(out).at[pairs].set(out * scale[:, None].astype(out.dtype))
     return jnp.sum(unsorted.reshape(-1, top_k, out.shape[-1]), axis=1)
+
+
+def ragged_mlp(rows, counts, gate, up, down) -> jax.Array:
+    """rows [N, hidden] grouped by expert, counts [E] rows per expert (rows past their sum give 0)."""
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, counts)) * jax.lax.ragged_dot(rows, up, counts)
+    return jax.lax.ragged_dot(h.astype(rows.dtype), down, counts)
+
+
+def gathered_mlp(rows, expert_of_row, gate, up, down) -> jax.Array:
+    """Each row through its own expert's gathered weights: for fewer rows than experts. Rows of
+    another device's experts are computed with a stand-in and zeroed by the caller's weights."""
+    h = jax.nn.silu(jnp.einsum("nd,ndf->nf", rows, gate[expert_of_row])) * \
+        jnp.einsum("nd,ndf->nf", rows, up[expert_of_row])
+    return jnp.einsum("nf,nfd->nd", h.astype(rows.dtype), down[expert_of_row])
+
+
+def tiled_mlp(rows, counts, gate, up, down) -> jax.Array:
+    """`ragged_mlp` as a loop over tiles of `tile` rows, each within one expert: only the tiles
+    that hold rows run (a decode of k pairs reads k experts, not all), each one expert's SwiGLU on
+    dense dots. A tile's rows past its expert's are masked: every row gets exactly one value."""
+    num_rows, hidden = rows.shape
+    tile = min(64, -(-num_rows // 8) * 8)
+    tiles_of = -(-counts // tile)                                    # [E] tiles per expert
+    first_tile = jnp.cumsum(tiles_of) - tiles_of
+    first_row = jnp.cumsum(counts) - counts
+    padded = jnp.zeros((num_rows + tile, hidden), rows.dtype).at[:num_rows].set(rows)
+
+    def run_tile(t, out):
+        expert = jnp.sum(first_tile + tiles_of <= t)                # the expert tile t belongs to
+        within = (t - first_tile[expert]) * tile
+        start = first_row[expert] + within
+        x = jax.lax.dynamic_slice_in_dim(padded, start, tile)
+        h = jax.nn.silu(x @ gate[expert]) * (x @ up[expert])
+        y = (h.astype(rows.dtype) @ down[expert]) * (jnp.arange(tile) < counts[expert] - within)[:, None]
+        return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, start, tile) + y, start, 0)
+
+    out = jax.lax.fori_loop(0, jnp.sum(tiles_of), run_tile, jnp.zeros_like(padded))
+    return out[:num_rows]
 
 
 def dense_experts(x, weights, ids, gate, up, down) -> jax.Array:
