@@ -87,7 +87,7 @@ def tiled_mlp(rows, counts, gate, up, down) -> jax.Array:
     that hold rows run (a decode of k pairs reads k experts, not all), each one expert's SwiGLU on
     dense dots. A tile's rows past its expert's are masked: every row gets exactly one value."""
     num_rows, hidden = rows.shape
-    tile = min(64, -(-num_rows // 8) * 8)
+    tile = min(64, -(-2 * num_rows // counts.shape[0] // 8) * 8)   # ~ twice an even share of the rows
     tiles_of = -(-counts // tile)                                    # [E] tiles per expert
     first_tile = jnp.cumsum(tiles_of) - tiles_of
     first_row = jnp.cumsum(counts) - counts
