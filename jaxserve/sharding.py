@@ -49,8 +49,9 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)" + _PARTS, P(None, None, "model")),
     (r"layers/(q_bias|k_bias|v_bias|gate_bias|up_bias)", P(None, "model")),
     (r"layers/(o_proj|down_proj)" + _PARTS, P(None, "model", None)),
-    # experts [layers, experts, in, out]: expert parallelism, whole experts per device
-    (r"layers/(gate|up|down)_experts", P(None, "model", None, None)),
+    # experts [layers, experts, in, out] (and their quantized parts): expert parallelism, whole
+    # experts per device
+    (r"layers/(gate|up|down)_experts" + _PARTS, P(None, "model", None, None)),
     # LoRA slots [layers, slots, in, R] / [layers, slots, R, out]: B as its column-parallel base, A
     # as its row-parallel base; the rest replicated
     (r"lora/(q_proj|k_proj|v_proj|gate_proj|up_proj)/b", P(None, None, None, "model")),

@@ -10,7 +10,8 @@ from jax.sharding import AbstractMesh
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.models.layers.moe import dense_experts, route, routed_experts
+from jaxserve.models.layers.moe import ExpertStack, dense_experts, route, routed_experts
+from jaxserve.quantization import AT_LOAD, quantize
 from jaxserve.models.llama import abstract_model
 from jaxserve.sampling_params import SamplingParams
 
@@ -45,6 +46,25 @@ def test_experts_split_over_devices_sum_to_all_of_them(method, tokens, per_devic
                             i, method) for i in range(0, 8, per_device)]
     assert all(np.abs(p).max() > 0 for p in parts) or tokens < 8, "every device has pairs to run"
     np.testing.assert_allclose(sum(parts), dense_experts(x, weights, ids, gate, up, down), atol=1e-5, rtol=0)
+
+
+def _quantized_stack(w: jnp.ndarray, fmt) -> tuple[ExpertStack, np.ndarray]:
+    """[E, in, out] float -> (the stack quantized per expert, its dequantised float [E, in, out])."""
+    tensors = [quantize(np.asarray(e).T, fmt) for e in w]           # checkpoints hold [out, in]
+    parts = [t.ours() for t in tensors]
+    stack = ExpertStack(*(None if name not in parts[0] else jnp.asarray(np.stack([p[name] for p in parts]))
+                          for name in ("value", "scale", "min")), kind=fmt.kind)
+    return stack, np.stack([t.dequantized().T for t in tensors])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("method, tokens", [("ragged", 20), ("tiled", 20), ("tiled", 3)])   # 3: gathered
+def test_quantized_experts_equal_their_dequantised_weights(quantization, method, tokens):
+    x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(4), tokens, 64, 64, 8, 2)
+    stacks, floats = zip(*(_quantized_stack(w, AT_LOAD[quantization]) for w in (gate, up, down)))
+    assert stacks[0].value.dtype != jnp.float32 and np.abs(floats[0] - gate).max() > 0
+    np.testing.assert_allclose(routed_experts(x, weights, ids, *stacks, method=method),
+                               dense_experts(x, weights, ids, *map(jnp.asarray, floats)), atol=1e-5, rtol=1e-5)
 
 
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch():
@@ -112,3 +132,28 @@ def test_engine_serves_an_moe_model_batch_invariantly(tiny_models):
     together = generate(prompts)
     assert together == [generate([p])[0] for p in prompts]
     assert len({tuple(t) for t in together}) == 3
+
+
+def test_int8_experts_equal_the_float_model_of_their_dequantised_weights(tiny_models, tmp_path):
+    """`--quantization int8` on an MoE quantizes the experts too: its logits are those of the float
+    model whose projections are replaced, in the checkpoint, by their int8 round trips."""
+    import re
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from test_llama import _paged_logits
+
+    directory = tiny_models("qwen3_moe")[0]
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(directory / "model.safetensors")
+    projection = re.compile(r".*(self_attn\.[qkvo]_proj|experts\.\d+\.(gate|up|down)_proj)\.weight")
+    save_file({name: quantize(w, AT_LOAD["int8"]).dequantized() if projection.match(name) else w
+               for name, w in tensors.items()}, tmp_path / "model.safetensors")
+    quantized = load_model(str(directory), "float32", quantization="int8")
+    assert {"layers/gate_experts", "layers/up_experts", "layers/down_experts"} <= set(quantized.formats)
+    assert quantized.params["layers"]["gate_experts"]["value"].shape == (2, 8, 64, 32)   # [layers, experts, in, out]
+    reference = load_model(str(tmp_path), "float32", quantization="none")
+    prompt = np.random.default_rng(5).integers(0, reference.config.vocab_size, 37).tolist()
+    for got, want in zip(_paged_logits(quantized, prompt, prompt[:8]), _paged_logits(reference, prompt, prompt[:8])):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

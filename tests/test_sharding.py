@@ -171,11 +171,14 @@ def test_lora_adapters_give_the_1x1_tokens_on_meshes(tmp_path, smollm2_tokenizer
 
 
 @pytest.mark.slow
-def test_experts_split_over_the_model_axis_give_the_1x1_logits(tmp_path, smollm2_tokenizer):
+@pytest.mark.parametrize("quantization", ["auto", "int8"])   # int8: the experts' parts split alike
+def test_experts_split_over_the_model_axis_give_the_1x1_logits(quantization, tmp_path, smollm2_tokenizer):
     # Qwen2-MoE: 4 experts (2, 1 per device on M = 2, 4) beside a tensor-parallel shared expert
     write_tiny_model(tmp_path / "model", "qwen2_moe", smollm2_tokenizer)
     meshes = "1x1,1x2,2x2,1x4"
-    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes)
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes, "--quantization", quantization)
+    # q, k, v, o, the shared expert's three and the experts' three
+    assert results["formats_1x1"].tolist() == ([] if quantization == "auto" else ["int8"] * 10)
     for mesh in meshes.split(",")[1:]:
         np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
         assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"

@@ -22,7 +22,7 @@ from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.weight_maps import checkpoint_formats, map_hf_weights, split_fused
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers.linear import WeightFormat
-from jaxserve.models.llama import abstract_model, linear_shapes
+from jaxserve.models.llama import abstract_model, expert_shapes, linear_shapes
 from jaxserve.quantization import AT_LOAD, check_quantization
 from jaxserve.sharding import head_layout, pad_heads, sharding_for
 from jaxserve.tokenizer import load_tokenizer
@@ -98,7 +98,7 @@ def with_values(state: nnx.State, values: dict[tuple[str, ...], Any]) -> nnx.Sta
 def weight_formats(quantization: str, config: ModelConfig, native: dict[str, WeightFormat]) -> dict[str, WeightFormat]:
     """Which weights are quantized, and how: path -> format (see `jaxserve.quantization`);
     `native` are the checkpoint's own formats, which `auto` keeps."""
-    shapes = linear_shapes(config)
+    shapes = linear_shapes(config) | expert_shapes(config)
     if quantization == "fp8" and jax.default_backend() == "cpu":
         log.warning("fp8 weights are converted in software on a CPU: one decode stream ran 6x slower than "
                     "float32 (int8 ran 1.7x faster); fp8 pays off on GPUs and TPUs")
@@ -111,9 +111,6 @@ def weight_formats(quantization: str, config: ModelConfig, native: dict[str, Wei
         return {}
     formats = {}
     for p, fmt in native.items():
-        if p not in shapes:   # experts are computed in float (layers/moe.py)
-            log.info("%s is stored %s in the checkpoint; dequantised at load", p, fmt.name)
-            continue
         try:
             fmt.check(p, shapes[p][0])
             formats[p] = fmt

@@ -5,8 +5,9 @@ All layers' weights are stacked on a leading axis and the layers run under `jax.
 program compiles in about the time of one layer whatever the depth. Weights are created abstractly
 (`nnx.eval_shape`) and filled from a checkpoint; nothing here initialises random weights.
 Linear weights are stored `[in, out]`, as float arrays or as quantized weights
-(`jaxserve.models.layers.linear`), chosen per weight by `formats`. Experts are stacked float
-weights `[experts, in, out]`, split over the mesh's `model` axis (`jaxserve.models.layers.moe`).
+(`jaxserve.models.layers.linear`), chosen per weight by `formats`. Experts are stacked
+`[experts, in, out]` (float, or quantized with every part stacked), split over the mesh's
+`model` axis (`jaxserve.models.layers.moe`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.layers import lora
 from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
 from jaxserve.models.layers.linear import QuantizedWeight, WeightFormat, Weight, embed_lookup, lm_head, matmul
-from jaxserve.models.layers.moe import experts, route
+from jaxserve.models.layers.moe import ExpertStack, experts, route
 from jaxserve.models.layers.norm import rms_norm
 from jaxserve.models.layers.rope import apply_rope, rope_for
 
@@ -49,6 +50,14 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Expert weights that may be quantized: parameter path -> one expert's [in, out]."""
+    if not cfg.num_experts:
+        return {}
+    d, ffn = cfg.hidden_size, cfg.moe_intermediate_size
+    return {"layers/gate_experts": (d, ffn), "layers/up_experts": (d, ffn), "layers/down_experts": (ffn, d)}
+
+
 def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """The projections a LoRA adapter may adapt: module name -> [in, out]."""
     return {path.removeprefix("layers/"): shape for path, shape in linear_shapes(cfg).items()
@@ -61,6 +70,21 @@ def _weight(path: str, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]
     if path in formats:
         return QuantizedWeight(formats[path], in_features, out_features, vocab_major=path in VOCAB_MAJOR)
     return _param((out_features, in_features) if path == "embed" else (in_features, out_features), dtype)
+
+
+def _expert_weight(path: str, cfg: ModelConfig, dtype, formats: dict[str, WeightFormat]) -> Weight:
+    """A float `[experts, in, out]` parameter, or a quantized weight per expert, stacked."""
+    in_features, out_features = expert_shapes(cfg)[path]
+    if path in formats:
+        return nnx.vmap(lambda: QuantizedWeight(formats[path], in_features, out_features),
+                        axis_size=cfg.num_experts)()
+    return _param((cfg.num_experts, in_features, out_features), dtype)
+
+
+def _stack(w: Weight) -> ExpertStack:
+    if isinstance(w, nnx.Param):
+        return ExpertStack(w[...])
+    return ExpertStack(*w.parts(), kind=w.fmt.kind)
 
 
 class DecoderLayer(nnx.Module):
@@ -90,11 +114,10 @@ class DecoderLayer(nnx.Module):
         self.gate_bias = _maybe(dense and cfg.mlp_bias, (cfg.intermediate_size,), dtype)
         self.up_bias = _maybe(dense and cfg.mlp_bias, (cfg.intermediate_size,), dtype)
         self.down_bias = _maybe(dense and cfg.mlp_bias, (d,), dtype)
-        experts_, ffn = cfg.num_experts, cfg.moe_intermediate_size
-        self.router = _maybe(moe, (d, experts_), dtype)
-        self.gate_experts = _maybe(moe, (experts_, d, ffn), dtype)
-        self.up_experts = _maybe(moe, (experts_, d, ffn), dtype)
-        self.down_experts = _maybe(moe, (experts_, ffn, d), dtype)
+        self.router = _maybe(moe, (d, cfg.num_experts), dtype)
+        self.gate_experts = _expert_weight("layers/gate_experts", cfg, dtype, formats) if moe else None
+        self.up_experts = _expert_weight("layers/up_experts", cfg, dtype, formats) if moe else None
+        self.down_experts = _expert_weight("layers/down_experts", cfg, dtype, formats) if moe else None
         self.shared_expert_gate = _maybe(moe and dense, (d, 1), dtype)
 
     def __call__(self, x, kv_pages: KVPages, layer, meta: AttentionMetadata,
@@ -132,8 +155,8 @@ class DecoderLayer(nnx.Module):
                 out = jax.nn.sigmoid(h @ self.shared_expert_gate[...]) * out
         if cfg.num_experts:
             weights, ids = route(h, self.router[...], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            out = out + experts(h, weights, ids, self.gate_experts[...], self.up_experts[...],
-                                self.down_experts[...], self.mesh)
+            out = out + experts(h, weights, ids, _stack(self.gate_experts), _stack(self.up_experts),
+                                _stack(self.down_experts), self.mesh)
         return out
 
 

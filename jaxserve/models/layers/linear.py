@@ -108,7 +108,7 @@ def _halves(value, scale, minimum, dtype) -> tuple[jax.Array, jax.Array]:
             _affine(value >> 4, scale[half:], minimum[half:], dtype))
 
 
-def _dequantize(kind: str, value, scale, minimum, dtype) -> jax.Array:
+def dequantize_parts(kind: str, value, scale, minimum, dtype) -> jax.Array:
     """`[in, out]` parts -> `[in, out]` of `dtype`."""
     if kind == "uint4":
         return jnp.concatenate(_halves(value, scale, minimum, dtype))
@@ -119,7 +119,7 @@ def dequantize(w: QuantizedWeight, dtype) -> jax.Array:
     """The whole weight as `[in, out]` of `dtype` (tests, and the reference arithmetic)."""
     if w.vocab_major:
         return _dequantize_rows(w.fmt.kind, *w.parts(), dtype).T
-    return _dequantize(w.fmt.kind, *w.parts(), dtype)
+    return dequantize_parts(w.fmt.kind, *w.parts(), dtype)
 
 
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
@@ -133,7 +133,7 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
         low, high = _halves(value, scale, minimum, x.dtype)
         rows = low.shape[0]
         return x[:, :rows] @ low + x[:, rows:] @ high
-    return x @ _dequantize(w.fmt.kind, value, scale, minimum, x.dtype)
+    return x @ dequantize_parts(w.fmt.kind, value, scale, minimum, x.dtype)
 
 
 VOCAB_SLICE = 1024

@@ -14,12 +14,50 @@ and one sum over `model` combines them, the same all-reduce a row-parallel proje
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.layers.linear import dequantize_parts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertStack:
+    """One projection of every expert, `[experts, in, out]`: float, or a quantized weight's parts
+    (linear.py) each with a leading expert axis, dequantised one expert (or one gathered row)
+    at a time right before its dot."""
+
+    value: jax.Array
+    scale: jax.Array | None = None
+    minimum: jax.Array | None = None
+    kind: str = dataclasses.field(default="float", metadata=dict(static=True))   # or int8 | fp8 | uint4
+
+    def _parts(self, index):
+        return tuple(None if p is None else p[index] for p in (self.value, self.scale, self.minimum))
+
+    def one(self, expert, dtype) -> jax.Array:
+        """Expert `expert`'s `[in, out]`."""
+        if self.kind == "float":
+            return self.value[expert]
+        return dequantize_parts(self.kind, *self._parts(expert), dtype)
+
+    def take(self, experts: jax.Array, dtype) -> jax.Array:
+        """experts [N] -> [N, in, out]."""
+        if self.kind == "float":
+            return self.value[experts]
+        return jax.vmap(lambda *parts: dequantize_parts(self.kind, *parts, dtype))(*self._parts(experts))
+
+    def whole(self, dtype) -> jax.Array:
+        return self.take(jnp.arange(self.value.shape[0]), dtype)
+
+
+def as_stack(w) -> ExpertStack:
+    return w if isinstance(w, ExpertStack) else ExpertStack(jnp.asarray(w))
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -46,8 +84,9 @@ def routed_experts(x, weights, ids, gate, up, down, first_expert=0, method: str 
     grouped rows meet their experts, `ragged` or `tiled` (None: `default_method()`); `tiled`
     gathers each pair's expert weights instead when there are no more pairs than experts."""
     method = method or default_method()
+    gate, up, down = as_stack(gate), as_stack(up), as_stack(down)
     top_k = ids.shape[1]
-    num_local = gate.shape[0]
+    num_local = gate.value.shape[0]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)                      # pairs grouped by expert
     # pairs per local expert (one_hot of another device's expert is all zeros)
@@ -70,6 +109,7 @@ def routed_experts(x, weights, ids, gate, up, down, first_expert=0, method: str 
 
 def ragged_mlp(rows, counts, gate, up, down) -> jax.Array:
     """rows [N, hidden] grouped by expert, counts [E] rows per expert (rows past their sum give 0)."""
+    gate, up, down = (w.whole(rows.dtype) for w in (gate, up, down))
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, counts)) * jax.lax.ragged_dot(rows, up, counts)
     return jax.lax.ragged_dot(h.astype(rows.dtype), down, counts)
 
@@ -77,9 +117,9 @@ def ragged_mlp(rows, counts, gate, up, down) -> jax.Array:
 def gathered_mlp(rows, expert_of_row, gate, up, down) -> jax.Array:
     """Each row through its own expert's gathered weights: for fewer rows than experts. Rows of
     another device's experts are computed with a stand-in and zeroed by the caller's weights."""
-    h = jax.nn.silu(jnp.einsum("nd,ndf->nf", rows, gate[expert_of_row])) * \
-        jnp.einsum("nd,ndf->nf", rows, up[expert_of_row])
-    return jnp.einsum("nf,nfd->nd", h.astype(rows.dtype), down[expert_of_row])
+    gate, up, down = (w.take(expert_of_row, rows.dtype) for w in (gate, up, down))
+    h = jax.nn.silu(jnp.einsum("nd,ndf->nf", rows, gate)) * jnp.einsum("nd,ndf->nf", rows, up)
+    return jnp.einsum("nf,nfd->nd", h.astype(rows.dtype), down)
 
 
 def tiled_mlp(rows, counts, gate, up, down) -> jax.Array:
@@ -98,8 +138,8 @@ def tiled_mlp(rows, counts, gate, up, down) -> jax.Array:
         within = (t - first_tile[expert]) * tile
         start = first_row[expert] + within
         x = jax.lax.dynamic_slice_in_dim(padded, start, tile)
-        h = jax.nn.silu(x @ gate[expert]) * (x @ up[expert])
-        y = (h.astype(rows.dtype) @ down[expert]) * (jnp.arange(tile) < counts[expert] - within)[:, None]
+        h = jax.nn.silu(x @ gate.one(expert, x.dtype)) * (x @ up.one(expert, x.dtype))
+        y = (h.astype(x.dtype) @ down.one(expert, x.dtype)) * (jnp.arange(tile) < counts[expert] - within)[:, None]
         return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, start, tile) + y, start, 0)
 
     out = jax.lax.fori_loop(0, jnp.sum(tiles_of), run_tile, jnp.zeros_like(padded))
@@ -108,6 +148,7 @@ def tiled_mlp(rows, counts, gate, up, down) -> jax.Array:
 
 def dense_experts(x, weights, ids, gate, up, down) -> jax.Array:
     """The reference: every token through every expert, weighted by its one-hot routing."""
+    gate, up, down = (as_stack(w).whole(x.dtype) for w in (gate, up, down))
     mix = jnp.sum(jax.nn.one_hot(ids, gate.shape[0], dtype=jnp.float32) * weights[..., None], axis=1)   # [T, E]
     h = jax.nn.silu(jnp.einsum("td,edf->tef", x, gate)) * jnp.einsum("td,edf->tef", x, up)
     return jnp.einsum("tef,efd,te->td", h, down, mix.astype(x.dtype))
@@ -125,6 +166,6 @@ def experts(x, weights, ids, gate, up, down, mesh: Mesh | None) -> jax.Array:
 
 
 def _expert_shard(model_size: int, x, weights, ids, gate, up, down):
-    first = jax.lax.axis_index("model") * gate.shape[0]
+    first = jax.lax.axis_index("model") * gate.value.shape[0]
     partial = routed_experts(x, weights, ids, gate, up, down, first)
     return jax.lax.psum(partial, "model") if model_size > 1 else partial
