@@ -24,6 +24,16 @@ def test_hf_directory_round_trips(tiny_models, tmp_path, capsys):
     assert converted.tokenizer.encode(text) == original.tokenizer.encode(text)
 
 
+def test_an_int8_mixture_of_experts_round_trips(tiny_models, tmp_path):
+    source = tiny_models("qwen2_moe")[0]
+    assert main([str(source), str(tmp_path / "out"), "--quantization", "int8"]) == 0
+    original = load_model(str(source), "float32", quantization="int8")
+    converted = load_model(str(tmp_path / "out"), "float32")
+    assert converted.config == original.config and converted.formats == original.formats
+    assert "layers/gate_experts" in converted.formats
+    assert_same_params(original, converted)
+
+
 def test_bfloat16_checkpoint_restores_in_the_engine_dtype(tiny_models, tmp_path):
     main([str(tiny_models("llama")[0]), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
     model = load_model(str(tmp_path / "bf16"), "float32")
