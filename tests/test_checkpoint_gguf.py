@@ -1,5 +1,7 @@
 """GGUF reading: config mapping, dequantisation, the q/k un-permutation, and parity with transformers."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -252,3 +254,101 @@ def test_smollm2_matches_transformers_gguf_loading(smollm2):
     assert len(names) == 2 + 3 * 9
     for name in names:
         np.testing.assert_allclose(smollm2.tensors[name], reference[name].numpy(), atol=1e-6, err_msg=name)
+
+
+def _write_moe_gguf(path, directory, arch, config, experts_type=Q.F32):
+    """A transformers mixture of experts as llama.cpp's converter writes it: experts stacked
+    [experts, out, in] per layer (`ffn_gate_exps` ...), the router as `ffn_gate_inp`, Qwen2-MoE's
+    shared expert as `*_shexp`, and Mixtral as `llama` with q/k rows permuted."""
+    import re
+
+    from safetensors.numpy import load_file
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+             "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    expert = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+    stacks = {}
+    for name, w in load_file(directory / "model.safetensors").items():
+        if m := expert.fullmatch(name):
+            kind = {"w1": "gate", "w3": "up", "w2": "down"}.get(m[3], m[3].removesuffix("_proj"))
+            stacks.setdefault(f"blk.{m[1]}.ffn_{kind}_exps.weight", {})[int(m[2])] = w
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]
+        else:
+            _, _, layer, *module, kind = name.split(".")
+            gguf = f"blk.{layer}.{names['.'.join(module)]}.{kind}"
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            w = _to_gguf_rows(w, config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"])
+        writer.add_tensor(gguf, w.astype(np.float32).reshape(-1) if "shared_expert_gate" in name else w)
+    for gguf, by_expert in stacks.items():
+        w = np.stack([by_expert[e] for e in sorted(by_expert)]).astype(np.float32)
+        if experts_type == Q.F32:
+            writer.add_tensor(gguf, w)
+        else:
+            writer.add_tensor(gguf, quantize(w, experts_type), raw_dtype=experts_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("variant, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
+def test_moe_gguf_files_give_their_hf_twins_logits(variant, arch, tiny_models, tmp_path, monkeypatch):
+    import json
+
+    from jaxserve.checkpoint.loader import load_model
+    from test_llama import _paged_logits
+
+    directory, _ = tiny_models(variant)
+    config = json.loads((directory / "config.json").read_text())
+    (tmp_path / "gguf").mkdir()
+    path = _write_moe_gguf(tmp_path / "gguf" / f"{variant}.gguf", directory, arch, config)
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    models = [load_model(str(p), "float32") for p in (path, directory)]
+    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
+    assert tokens_aside[0] == tokens_aside[1]   # this writer leaves out the special tokens
+    ours = [np.concatenate(_paged_logits(m, list(range(3, 30)), [5, 6])) for m in models]
+    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+
+
+def test_q8_0_experts_are_served_as_they_are_stored(tiny_models, tmp_path, monkeypatch):
+    """Stacked Q8_0 experts stay Q8_0 (split per expert without a float copy) and give the logits
+    of the same file dequantised at load."""
+    import json
+
+    from jaxserve.checkpoint.loader import load_model
+    from test_llama import _paged_logits
+
+    directory, _ = tiny_models("qwen3_moe")
+    config = json.loads((directory / "config.json").read_text())
+    path = _write_moe_gguf(tmp_path / "q8.gguf", directory, "qwen3moe", config, Q.Q8_0)
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    native, dequantised = load_model(str(path), "float32"), load_model(str(path), "float32", quantization="none")
+    assert {native.formats[f"layers/{p}_experts"].name for p in ("gate", "up", "down")} == {"Q8_0"}
+    assert not dequantised.formats
+    for got, want in zip(_paged_logits(native, list(range(3, 30)), [5, 6]),
+                         _paged_logits(dequantised, list(range(3, 30)), [5, 6])):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

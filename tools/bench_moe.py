@@ -6,8 +6,8 @@
    expert) and against a dense SwiGLU MLP of the active width (k x the expert's), per step size.
 2. With --models: a random Mixtral-shaped MoE (8 experts, top-2, hidden 512, 8 layers) and a dense
    Llama of the same active parameters (MLP width 2 x the expert's), both written by transformers,
-   served by `jaxserve bench offline` over the same workload; the MoE also on a 1x2 mesh (experts
-   split over `model`) against 1x1.
+   served by `jaxserve bench offline` over the same workload, float and int8 weights; the MoE also
+   on a 1x2 mesh (experts split over `model`) against 1x1.
 
     python tools/bench_moe.py                           # the layer table
     python tools/bench_moe.py --models --limit 16       # and the models (a few minutes)
@@ -97,7 +97,7 @@ def write_models(directory: Path, args) -> tuple[Path, Path]:
 
 
 def offline(model: Path, args, meshes: list[str], out: Path) -> list[dict]:
-    flags = [f"--mesh={m}" for m in meshes]
+    flags = [f"--mesh={m}" for m in meshes] + [f"--quantization={q}" for q in args.quantization]
     subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "offline", "--model", str(model),
                     "--workload", args.workload, "--limit", str(args.limit), "--json", str(out), *flags],
                    check=True)
@@ -109,12 +109,14 @@ def model_table(args) -> None:
         moe, dense = write_models(Path(tmp), args)
         moe_rows = offline(moe, args, ["1x1", "1x2"], Path(tmp) / "moe.json")
         dense_rows = offline(dense, args, ["1x1"], Path(tmp) / "dense.json")
-    print(f"\n{'model':<34}{'output tok/s':>14}{'vs dense':>10}")
-    base = dense_rows[0]["output_tokens"] / dense_rows[0]["elapsed_s"]
-    for name, row in (("dense, active-equivalent 1x1", dense_rows[0]), ("MoE 8x top-2 1x1", moe_rows[0]),
-                      ("MoE 8x top-2 1x2 (experts split)", moe_rows[1])):
-        rate = row["output_tokens"] / row["elapsed_s"]
-        print(f"{name:<34}{rate:>14.1f}{rate / base:>9.2f}x")
+    print(f"\n{'model':<44}{'weights MiB':>12}{'output tok/s':>14}{'vs dense':>10}")
+    rate = {id(r): r["output_tokens"] / r["elapsed_s"] for r in moe_rows + dense_rows}
+    for i, q in enumerate(args.quantization):
+        base = dense_rows[i]
+        for name, row in (("dense, active-equivalent", base), ("MoE", moe_rows[i]),
+                          ("MoE, experts split 1x2", moe_rows[len(args.quantization) + i])):
+            print(f"{name + ' w:' + q:<44}{row['weight_mib']:>12.1f}{rate[id(row)]:>14.1f}"
+                  f"{rate[id(row)] / rate[id(base)]:>9.2f}x")
 
 
 def main() -> None:
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--models", action="store_true", help="also serve a random MoE and its dense twin")
     parser.add_argument("--workload", default=str(WORKLOAD))
     parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--quantization", nargs="+", default=["none", "int8"], help="each compared, as --quantization")
     args = parser.parse_args()
     layer_table(args)
     if args.models:

@@ -1,7 +1,9 @@
 """Read llama.cpp GGUF files: an HF-style config, weights under HF names, and the tokenizer.
 
-Architectures (`general.architecture`): llama, qwen2 (q/k/v biases) and qwen3 (q/k norms), with
-the metadata keys under the architecture's prefix. Q8_0, Q4_0 and Q4_1 tensors can stay quantized
+Architectures (`general.architecture`): llama (Mixtral too, when it has `expert_count`), qwen2
+(q/k/v biases), qwen3 (q/k norms), qwen2moe and qwen3moe, with the metadata keys under the
+architecture's prefix. Experts come stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and
+are split into the HF per-expert names. Q8_0, Q4_0 and Q4_1 tensors can stay quantized
 (`native=True`): their blocks of 32 become a `QuantizedTensor` without a float copy. Every other
 type the `gguf` package decodes (F16, BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32,
 with a log line naming the types.
@@ -26,7 +28,11 @@ log = logging.getLogger(__name__)
 
 # general.architecture -> (HF architecture, model_type)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+                 "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+MIXTRAL = ("MixtralForCausalLM", "mixtral")   # llama.cpp writes Mixtral as llama with experts
+# llama.cpp renormalises the k routing weights for these (its `norm_w`); Mixtral always does
+NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 NATIVE_FORMATS = {
     "Q8_0": WeightFormat("int8", 32, "float16", "Q8_0"),
@@ -51,7 +57,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# stacked experts [experts, out, in] -> each expert's HF name
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Vocabulary arrays: large, and only the tokenizer (built by transformers) needs them.
 _VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -80,15 +93,16 @@ def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
     unpermute = _unpermute if arch == "llama" else (lambda name, w, config: w)
     tensors, dequantised = {}, set()
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
         qtype = GGMLQuantizationType(tensor.tensor_type).name
-        if native and qtype in NATIVE_FORMATS and len(tensor.shape) == 2:
+        if native and qtype in NATIVE_FORMATS and len(tensor.shape) >= 2:
             weight = _blocks(tensor, NATIVE_FORMATS[qtype])
-            tensors[name] = weight.map_rows(lambda rows: unpermute(name, rows, config))
         else:
-            tensors[name] = unpermute(name, _dequantize(tensor), config)
-            if qtype not in FLOAT_TYPES and len(tensor.shape) == 2:
+            weight = _dequantize(tensor)
+            if qtype not in FLOAT_TYPES and len(tensor.shape) >= 2:
                 dequantised.add(qtype)
+        for name, part in _hf_tensors(tensor, weight):
+            tensors[name] = (part.map_rows(lambda rows: unpermute(name, rows, config))
+                             if isinstance(part, QuantizedTensor) else unpermute(name, part, config))
     if dequantised:
         log.info("%s: %s tensors dequantised to float32 at load (served natively: %s)", Path(path).name,
                  ", ".join(sorted(dequantised)), ", ".join(NATIVE_FORMATS) if native else "none, as asked")
@@ -168,7 +182,22 @@ def _hf_config(fields: dict, arch: str, shapes: dict[str, list[int]]) -> dict:
     rope_scaling = _rope_scaling(fields, arch)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if key("expert_count") in fields:
+        config.update(_moe_config(fields, arch, key))
     return config
+
+
+def _moe_config(fields: dict, arch: str, key) -> dict:
+    experts = {"num_experts_per_tok": int(fields[key("expert_used_count")]),
+               "norm_topk_prob": NORM_TOPK_PROB[arch]}
+    if arch == "llama":
+        architecture, model_type = MIXTRAL
+        return {"architectures": [architecture], "model_type": model_type,
+                "num_local_experts": int(fields[key("expert_count")]), **experts}
+    return {"num_experts": int(fields[key("expert_count")]),
+            "moe_intermediate_size": int(fields[key("expert_feed_forward_length")]),
+            "shared_expert_intermediate_size": int(fields.get(key("expert_shared_feed_forward_length"), 0)),
+            **experts}
 
 
 def _f32(value: float) -> float:
@@ -190,6 +219,25 @@ def _rope_scaling(fields: dict, arch: str) -> dict | None:
     }
     scaling.update({hf: fields[f"{arch}.{key}"] for hf, key in optional.items() if f"{arch}.{key}" in fields})
     return scaling
+
+
+def _hf_tensors(tensor, weight):
+    """(HF name, tensor) pairs for one GGUF tensor: itself, or each expert of a stacked one."""
+    match = _LAYER_RE.fullmatch(tensor.name)
+    if match is None or match[2] not in _EXPERT_NAMES:
+        if match is not None and match[2] == "ffn_gate_inp_shexp" and not isinstance(weight, QuantizedTensor):
+            weight = weight.reshape(1, -1)   # llama.cpp stores the shared expert's gate as a vector
+        return [(_hf_name(tensor.name), weight)]
+    experts = int(tensor.shape[2])
+    rows = weight.shape[0] // experts if isinstance(weight, QuantizedTensor) else weight.shape[1]
+
+    def expert(e):
+        if isinstance(weight, QuantizedTensor):   # its rows are the experts' rows end to end
+            return weight.map_rows(lambda a: a[e * rows:(e + 1) * rows])
+        return weight[e]
+
+    return [(f"model.layers.{match[1]}.mlp.experts.{e}.{_EXPERT_NAMES[match[2]]}.{match[3]}", expert(e))
+            for e in range(experts)]
 
 
 def _hf_name(name: str) -> str:
@@ -217,7 +265,7 @@ def _blocks(tensor, fmt: WeightFormat) -> QuantizedTensor:
     (f16 d, f16 m, 16 bytes): w = q * d + m. A 4-bit block's byte j holds element j in its low
     nibble and element j + 16 in its high one.
     """
-    rows = int(tensor.shape[1])
+    rows = int(np.prod(tensor.shape[1:]))   # a stack of experts: their rows end to end
     data = np.asarray(tensor.data, np.uint8).reshape(rows, -1)
     header = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}[fmt.name]
     block_bytes = header + (32 if fmt.name == "Q8_0" else 16)
