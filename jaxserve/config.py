@@ -66,6 +66,16 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False      # renormalise the k routing weights to sum to 1
+    # Gemma 2 / 3: layers whose attention is windowed (the rest see everything; empty: every layer
+    # when `sliding_window` is set), their RoPE base (None: `rope_theta`, unscaled otherwise)
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None
+    gemma: bool = False               # RMSNorm by (1 + w), embeddings times sqrt(hidden), norms
+                                      # after attention and MLP too (before the residual add)
+    hidden_act: str = "silu"          # silu | gelu_tanh (the MLP's gate)
+    query_pre_attn_scalar: float | None = None   # scores scaled by its -1/2 (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         _require(self.num_heads % self.num_kv_heads == 0,
@@ -76,6 +86,9 @@ class ModelConfig:
                  f"sliding_window={self.sliding_window} must be at least 1 (or none)")
         _require(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim,
                  f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
+        _require(not self.sliding_layers or len(self.sliding_layers) == self.num_layers,
+                 f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        _require(self.hidden_act in HIDDEN_ACTS, f"hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}")
         _require(not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
                  f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
 
@@ -97,6 +110,9 @@ class ModelConfig:
         partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         eos = hf.get("eos_token_id")
         moe = _read_moe(hf) if family.moe else {}
+        gemma = _read_gemma(hf, rope) if family.gemma else {}
+        if gemma:
+            rope_theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
             architecture=architecture,
@@ -109,7 +125,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=_context_length(hf, family.sliding_window),
+            max_position_embeddings=_context_length(hf, family.sliding_window or family.gemma),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
             o_bias=bool(hf.get("attention_bias", False)) and not family.qkv_bias,
@@ -117,11 +133,41 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             rope_scaling=scaling,
             rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
-            sliding_window=(hf.get("sliding_window") or None) if family.sliding_window else None,
+            sliding_window=(hf.get("sliding_window") or None) if family.sliding_window or family.gemma else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
+            **gemma,
         )
+
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+
+
+def _read_gemma(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3's fields. Their windowed and full layers are listed in `layer_types`; Gemma 3
+    gives each kind its RoPE (transformers 5: `rope_parameters` per layer type; 4:
+    `rope_theta` and `rope_scaling` for full layers, `rope_local_base_freq` for windowed ones)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    _require(act in ("gelu_pytorch_tanh", "gelu_tanh"), f"hidden_activation={act!r} is not supported for Gemma; "
+             "supported: gelu_pytorch_tanh")
+    types = hf.get("layer_types") or []
+    if "full_attention" in rope:        # per layer type
+        full, local = dict(rope["full_attention"]), dict(rope.get("sliding_attention") or {})
+    else:
+        full = {**(hf.get("rope_scaling") or {}), **rope}
+        local = {"rope_theta": hf.get("rope_local_base_freq")} if hf.get("rope_local_base_freq") else {}
+    full.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
+    local_kind = local.get("rope_type", "default")
+    _require(local_kind in (None, "default"), f"rope type {local_kind!r} of Gemma's windowed layers is not supported")
+    return dict(gemma=True, hidden_act="gelu_tanh",
+                sliding_layers=tuple(t == "sliding_attention" for t in types),
+                local_rope_theta=float(local["rope_theta"]) if local.get("rope_theta") else None,
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or hf["head_dim"]),
+                attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                final_logit_softcapping=hf.get("final_logit_softcapping"),
+                rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                rope_scaling=_parse_rope_scaling(full))
 
 
 def _read_moe(hf: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +195,7 @@ def _context_length(hf: dict[str, Any], sliding_window: bool) -> int:
     return length
 
 
-ROPE_TYPES = ("default", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
@@ -157,6 +203,8 @@ def _parse_rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
     if kind in (None, "default"):
         return None
     _require(kind in ROPE_TYPES, f"rope scaling type {kind!r} is not supported; supported: {ROPE_TYPES}")
+    if kind == "linear":   # positions divided by `factor` (Gemma 3's full layers)
+        return RopeScaling(0, "linear", float(params["factor"]))
     original = int(params["original_max_position_embeddings"])
     if kind == "longrope":
         # As transformers: without `factor`, the context's growth over the original; the attention

@@ -46,6 +46,16 @@ VARIANTS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                                                                 moe_intermediate_size=32,
                                                                 shared_expert_intermediate_size=48)),
+    # Gemma: windowed and full layers alternating (2) or 2 of 3 windowed (3), windows shorter than
+    # the tests' contexts; Gemma 2 soft-caps scores and logits (caps low enough to bite), Gemma 3
+    # gives windowed layers their own RoPE base and full ones linear scaling
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+                                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})),
 }
 
 

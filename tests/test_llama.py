@@ -9,7 +9,7 @@ from jaxserve.checkpoint.loader import load_model
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.step import compile_forward
-from jaxserve.models.layers.attention import XlaPagedAttention
+from jaxserve.models.layers.attention import backend_for
 from jaxserve.sampling_params import SamplingParams
 
 from conftest import VARIANTS
@@ -34,8 +34,7 @@ def _paged_logits(model, prompt, continuation):
     batch, _ = runner.layout.build(output, runner.bucket_for(output))
     gd = runner.bucket_for(output).num_decode
     batch = batch.replace(logits_index=np.arange(gd, gd + len(prompt), dtype=np.int32))
-    forward = compile_forward(model.graphdef, XlaPagedAttention(runner.layout.pages_per_chunk,
-                                                                model.config.sliding_window))
+    forward = compile_forward(model.graphdef, backend_for(model.config, "xla", runner.layout.pages_per_chunk))
     prefill, runner.kv_pages = forward(model.params, runner.kv_pages, None, batch)
     decoded = []
     for i, token in enumerate(continuation):
@@ -92,6 +91,22 @@ def test_variants_read_their_family_switches(tiny_models):
     windowed = load_model(str(tiny_models("mistral_window")[0]), "float32")
     # the window is applied, so the context is the model's whole one, not capped at the window
     assert (windowed.config.sliding_window, windowed.config.max_position_embeddings) == (12, 512)
+
+
+def test_gemma_reads_its_switches_and_pallas_leaves_it_to_xla(tiny_models):
+    from jaxserve.engine.runner import resolve_backend
+
+    gemma2 = load_model(str(tiny_models("gemma2")[0]), "float32").config
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (2.0, 3.0)
+    assert gemma2.sliding_layers == (True, False) and gemma2.hidden_act == "gelu_tanh" and gemma2.gemma
+    gemma3 = load_model(str(tiny_models("gemma3")[0]), "float32").config
+    assert gemma3.sliding_layers == (True, True, False) and gemma3.qk_norm and gemma3.query_pre_attn_scalar == 24
+    assert (gemma3.local_rope_theta, gemma3.rope_theta, gemma3.rope_scaling.kind) == (10000.0, 1e6, "linear")
+    assert gemma3.max_position_embeddings > gemma3.sliding_window   # windows applied, context not capped
+    for config in (gemma2, gemma3):
+        with pytest.raises(ValueError, match="'pallas' does not run .* per-layer sliding windows"):
+            backend_for(config, "pallas", 2)
+        assert resolve_backend("auto", config) == "xla"
 
 
 def test_the_sliding_window_changes_what_a_query_sees(tiny_models):

@@ -185,6 +185,17 @@ def test_experts_split_over_the_model_axis_give_the_1x1_logits(quantization, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3"])   # per-layer windows, soft-capping, RoPE per layer
+def test_gemma_logits_agree_across_meshes(variant, tmp_path, smollm2_tokenizer):
+    write_tiny_model(tmp_path / "model", variant, smollm2_tokenizer)
+    meshes = "1x1,1x2,2x2"
+    results = run_worker(str(tmp_path / "model"), tmp_path / "out.npz", meshes)
+    for mesh in meshes.split(",")[1:]:
+        np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=1e-4, rtol=0)
+        assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
+
+
+@pytest.mark.slow
 def test_smollm2_tokens_are_identical_across_meshes(tmp_path):
     # 2x4: data slices and 12/4 heads (3 KV heads padded to 4). The tiny models cover 1x2, 2x1 and
     # 1x8's 24/8 padding (test_logits_agree_across_meshes); here each mesh costs ~90 s.

@@ -53,6 +53,8 @@ LLAMA_WEIGHT_MAP: tuple[tuple[str, tuple[str, ...], Transform], ...] = (
     (_LAYER + r"self_attn\.q_norm\.weight", ("layers", "q_norm"), _same),
     (_LAYER + r"self_attn\.k_norm\.weight", ("layers", "k_norm"), _same),
     (_LAYER + r"post_attention_layernorm\.weight", ("layers", "post_attention_norm"), _same),
+    (_LAYER + r"pre_feedforward_layernorm\.weight", ("layers", "pre_mlp_norm"), _same),     # Gemma
+    (_LAYER + r"post_feedforward_layernorm\.weight", ("layers", "post_mlp_norm"), _same),
     (_LAYER + r"mlp\.gate_proj\.weight", ("layers", "gate_proj"), _transpose),
     (_LAYER + r"mlp\.up_proj\.weight", ("layers", "up_proj"), _transpose),
     (_LAYER + r"mlp\.down_proj\.weight", ("layers", "down_proj"), _transpose),

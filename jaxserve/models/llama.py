@@ -1,5 +1,5 @@
-"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and with a
-mixture of experts Mixtral, Qwen2-MoE, Qwen3-MoE) in Flax NNX.
+"""The Llama-architecture decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3,
+and with a mixture of experts Mixtral, Qwen2-MoE, Qwen3-MoE) in Flax NNX.
 
 All layers' weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so a
 program compiles in about the time of one layer whatever the depth. Weights are created abstractly
@@ -12,6 +12,9 @@ Linear weights are stored `[in, out]`, as float arrays or as quantized weights
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,7 +25,7 @@ from jaxserve.models.layers import lora
 from jaxserve.models.layers.attention import AttentionBackend, AttentionMetadata, KVPages
 from jaxserve.models.layers.linear import QuantizedWeight, WeightFormat, Weight, embed_lookup, lm_head, matmul
 from jaxserve.models.layers.moe import ExpertStack, experts, route
-from jaxserve.models.layers.norm import rms_norm
+from jaxserve.models.layers.norm import gemma_rms_norm, rms_norm
 from jaxserve.models.layers.rope import apply_rope, rope_for
 
 
@@ -107,7 +110,9 @@ class DecoderLayer(nnx.Module):
         self.o_bias = _maybe(cfg.o_bias, (d,), dtype)
         self.q_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
         self.k_norm = _maybe(cfg.qk_norm, (cfg.head_dim,), dtype)
-        self.post_attention_norm = _param((d,), dtype)
+        self.post_attention_norm = _param((d,), dtype)   # before the MLP; Gemma: on attention's output
+        self.pre_mlp_norm = _maybe(cfg.gemma, (d,), dtype)
+        self.post_mlp_norm = _maybe(cfg.gemma, (d,), dtype)
         self.gate_proj = _weight("layers/gate_proj", cfg, dtype, formats) if dense else None
         self.up_proj = _weight("layers/up_proj", cfg, dtype, formats) if dense else None
         self.down_proj = _weight("layers/down_proj", cfg, dtype, formats) if dense else None
@@ -129,28 +134,46 @@ class DecoderLayer(nnx.Module):
         def linear(x, name, bias):
             return lora.adapted(x, adapters, name, _linear(x, getattr(self, name), bias))
 
-        h = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
+        norm = self._norm
+        h = norm(x, self.input_norm)
         q = linear(h, "q_proj", self.q_bias).reshape(-1, cfg.num_heads, cfg.head_dim)
         k = linear(h, "k_proj", self.k_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = linear(h, "v_proj", self.v_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        rope = rope_for(cfg)
-        q = apply_rope(q, meta.positions, rope)
-        k = apply_rope(k, meta.positions, rope)
+            q, k = norm(q, self.q_norm), norm(k, self.k_norm)
+        q, k = self._rope(q, meta.positions, layer), self._rope(k, meta.positions, layer)
+        if cfg.query_pre_attn_scalar is not None:   # the backends scale by head_dim ** -0.5
+            q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
         attn, kv_pages = attention(q, k, v, kv_pages, layer, meta)
-        x = x + linear(attn.reshape(attn.shape[0], -1), "o_proj", self.o_bias)
+        attn = linear(attn.reshape(attn.shape[0], -1), "o_proj", self.o_bias)
+        if cfg.gemma:
+            return self._gemma_mlp(x + norm(attn, self.post_attention_norm), linear), kv_pages
+        x = x + attn
+        return x + self._mlp(norm(x, self.post_attention_norm), linear), kv_pages
 
-        h = rms_norm(x, self.post_attention_norm[...], cfg.rms_norm_eps)
-        return x + self._mlp(h, linear), kv_pages
+    def _gemma_mlp(self, x, linear):
+        return x + self._norm(self._mlp(self._norm(x, self.pre_mlp_norm), linear), self.post_mlp_norm)
+
+    def _norm(self, x, weight: nnx.Param):
+        return (gemma_rms_norm if self.cfg.gemma else rms_norm)(x, weight[...], self.cfg.rms_norm_eps)
+
+    def _rope(self, x, positions, layer):
+        """RoPE, with Gemma 3's windowed layers on their own base: both computed, one kept."""
+        cfg = self.cfg
+        rotated = apply_rope(x, positions, rope_for(cfg))
+        if cfg.local_rope_theta is None:
+            return rotated
+        local = apply_rope(x, positions, rope_for(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta,
+                                                                      rope_scaling=None)))
+        return jnp.where(jnp.asarray(cfg.sliding_layers)[layer], local, rotated)
 
     def _mlp(self, h, linear):
         cfg, out = self.cfg, 0.0
         if cfg.intermediate_size:
             gate = linear(h, "gate_proj", self.gate_bias)
             up = linear(h, "up_proj", self.up_bias)
-            out = linear(jax.nn.silu(gate) * up, "down_proj", self.down_bias)
+            act = jax.nn.silu if cfg.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+            out = linear(act(gate) * up, "down_proj", self.down_bias)
             if cfg.num_experts:   # Qwen2-MoE's shared expert, under its sigmoid gate
                 out = jax.nn.sigmoid(h @ self.shared_expert_gate[...]) * out
         if cfg.num_experts:
@@ -191,6 +214,8 @@ class Llama(nnx.Module):
         `lora_weights` (module -> (a, b), see layers/lora.py) with `lora_slots` [T] int32: the
         tokens' LoRA adapters."""
         x = embed_lookup(self.embed, token_ids, self.dtype)
+        if self.cfg.gemma:   # by sqrt(hidden) in the compute dtype, as transformers rounds it
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         layer_graph, layer_weights = nnx.split(self.layers)
         any_adapted = None if lora_weights is None else jnp.any(lora_slots > 0)
 
@@ -207,8 +232,10 @@ class Llama(nnx.Module):
 
     def logits(self, x, index) -> jax.Array:
         """x [T, hidden] (hidden_states), index [S] int32 -> logits [S, vocab] float32 of those rows."""
-        x = rms_norm(x[index], self.final_norm[...], self.cfg.rms_norm_eps)
-        return lm_head(x, self.embed, self.lm_head).astype(jnp.float32)
+        x = (gemma_rms_norm if self.cfg.gemma else rms_norm)(x[index], self.final_norm[...], self.cfg.rms_norm_eps)
+        logits = lm_head(x, self.embed, self.lm_head).astype(jnp.float32)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def abstract_model(cfg: ModelConfig, dtype, formats: dict[str, WeightFormat] | None = None,

@@ -11,6 +11,7 @@ class Family:
     qk_norm: bool = False   # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     sliding_window: bool = False  # every layer attends within config.sliding_window (Mistral, Phi-3)
     moe: bool = False       # a mixture of experts in every layer's MLP (see models/layers/moe.py)
+    gemma: bool = False     # Gemma 2 / 3's norms, scaled embeddings, GeGLU, per-layer windows (config.py)
 
 
 FAMILIES: dict[str, Family] = {
@@ -22,6 +23,8 @@ FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(sliding_window=True, moe=True),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),  # with a gated shared expert
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=True),
+    "Gemma2ForCausalLM": Family(gemma=True),   # attention and final logit soft-capping
+    "Gemma3ForCausalLM": Family(qk_norm=True, gemma=True),   # text only; RoPE per layer type
 }
 
 

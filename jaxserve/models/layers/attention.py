@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.ragged_paged_attention as rpa
+from jaxserve.config import ModelConfig
 
 MASKED = -1e30  # a finite "minus infinity": exp() of it is 0, and 0 * it is not NaN
 
@@ -114,12 +115,14 @@ def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, layer: jax.Array,
 
 
 def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KVPages,
-                 layer: jax.Array, pages_per_chunk: int, sliding_window: int | None = None) -> jax.Array:
+                 layer: jax.Array, pages_per_chunk: int, sliding_window: int | jax.Array | None = None,
+                 softcap: float | None = None) -> jax.Array:
     """Causal attention of one group's queries to their sequences' pages.
 
     q [G, Q, heads, head_dim], q_pos [G, Q] (-1: padding) -> [G, Q, heads, head_dim] in q's dtype,
     zeros for padding. With `sliding_window` W a query at p sees keys p - W + 1 .. p, and chunks
-    before every row's window are never visited.
+    before every row's window are never visited; W may be traced (a layer's own), 0 for none.
+    `softcap` c: scores become c * tanh(scores / c) (Gemma 2).
     """
     num_seqs, q_len, heads, head_dim = q.shape
     kv_heads = kv_pages.k.shape[1]
@@ -139,10 +142,12 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
         k = _gather_pages(kv_pages.k, layer, pages, kv_pages.k_scale)  # [kv_heads, G, C, D]
         v = _gather_pages(kv_pages.v, layer, pages, kv_pages.v_scale)
         s = jnp.einsum("hgqd,hgcd->hgqc", qg, k)
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
         key = i * chunk_len + jnp.arange(chunk_len)
         visible = key <= q_pos  # [1, G, rep*Q, C]
-        if sliding_window:
-            visible &= key > q_pos - sliding_window
+        if sliding_window is not None:
+            visible &= (sliding_window == 0) | (key > q_pos - sliding_window)
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
         p = jnp.exp(s - m_new) * visible
@@ -157,9 +162,9 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
     init = (jnp.full(stats_shape, MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape[:-1] + (head_dim,), jnp.float32))
     first = 0
-    if sliding_window:   # the chunk holding the earliest key any row's window reaches
+    if sliding_window is not None:   # the chunk holding the earliest key any row's window reaches
         earliest = jnp.where(q_pos >= 0, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max).min()
-        first = jnp.clip(earliest // chunk_len, 0, group.num_chunks[0])
+        first = jnp.where(sliding_window == 0, 0, jnp.clip(earliest // chunk_len, 0, group.num_chunks[0]))
     _, l, acc = jax.lax.fori_loop(first, group.num_chunks[0], visit_chunk, init)
     out = acc / jnp.maximum(l, 1e-30)  # all-masked (padding) rows stay 0
     out = out.reshape(kv_heads, num_seqs, rep, q_len, head_dim).transpose(1, 3, 0, 2, 4)
@@ -179,24 +184,30 @@ def _gather_pages(pool: jax.Array, layer: jax.Array, pages: jax.Array, scale: ja
 
 
 class XlaPagedAttention:
-    """The plain-jnp backend: the default on CPU, and the reference for the Pallas kernels."""
+    """The plain-jnp backend: the default on CPU, and the reference for the Pallas kernels.
+    `layer_windows`: each layer's window (0: none) where layers differ (Gemma); `softcap`: see
+    `attend_group`."""
 
-    def __init__(self, pages_per_chunk: int, sliding_window: int | None = None):
+    def __init__(self, pages_per_chunk: int, sliding_window: int | None = None,
+                 layer_windows: tuple[int, ...] = (), softcap: float | None = None):
         self.pages_per_chunk = pages_per_chunk
         self.sliding_window = sliding_window
+        self.layer_windows = layer_windows
+        self.softcap = softcap
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         kv_pages = write_kv(kv_pages, k, v, layer, meta.slot_mapping)
         num_decode, num_segments = meta.group_sizes()
         decode_end = num_decode * meta.decode_len
+        window = jnp.asarray(self.layer_windows)[layer] if self.layer_windows else self.sliding_window
         outs = []
         for group, rows, start, stop in ((meta.decode, num_decode, 0, decode_end),
                                          (meta.prefill, num_segments, decode_end, q.shape[0])):
             if rows:
                 group_q = q[start:stop].reshape(rows, -1, *q.shape[1:])
                 group_pos = meta.positions[start:stop].reshape(rows, -1)
-                out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk,
-                                   self.sliding_window)
+                out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk, window,
+                                   self.softcap)
                 outs.append(out.reshape(-1, *q.shape[1:]))
         return jnp.concatenate(outs), kv_pages
 
@@ -218,6 +229,28 @@ class PallasPagedAttention:
                                          rows.cu_q_lens, rows.num_rows, kv_pages.k_scale, kv_pages.v_scale,
                                          sliding_window=self.sliding_window)
         return out, kv_pages
+
+
+def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Each layer's window (0: none) where the layers differ (Gemma 2 / 3); () where they do not."""
+    if not cfg.sliding_layers or cfg.sliding_window is None:
+        return ()
+    return tuple(cfg.sliding_window if windowed else 0 for windowed in cfg.sliding_layers)
+
+
+def pallas_supports(cfg: ModelConfig) -> bool:
+    """The kernels take one static window and no soft-capping."""
+    return not layer_windows(cfg) and cfg.attn_logit_softcapping is None
+
+
+def backend_for(cfg: ModelConfig, name: str, pages_per_chunk: int) -> AttentionBackend:
+    """The attention backend `name` (xla | pallas) set up for the model's windows and soft-capping."""
+    if name == "pallas":
+        if not pallas_supports(cfg):
+            raise ValueError(f"attention backend 'pallas' does not run {cfg.architecture}'s per-layer sliding "
+                             "windows or attention soft-capping; use the xla backend")
+        return PallasPagedAttention(cfg.sliding_window)
+    return XlaPagedAttention(pages_per_chunk, cfg.sliding_window, layer_windows(cfg), cfg.attn_logit_softcapping)
 
 
 class MeshAttention:

@@ -51,6 +51,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     inv_freq = np.float32(1.0) / (np.float32(theta) ** exponents)
     if scaling is not None and scaling.kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
+    if scaling is not None and scaling.kind == "linear":
+        inv_freq = inv_freq / np.float32(scaling.factor)
     return inv_freq.astype(np.float32)
 
 
