@@ -3,8 +3,8 @@
 The step's (token, choice) pairs are sorted by expert so that each expert's rows are contiguous,
 and every projection is one `jax.lax.ragged_dot` over those groups (on a CPU, where XLA's
 ragged_dot runs every expert, a loop over tiles of rows within one expert): compute grows with
-the tokens times k, not with the number of experts. `dense_experts` (every token through every expert, a
-one-hot weighted sum) is the plain reference the tests hold it to.
+the tokens times k, not with the number of experts. `dense_experts` (every token through every
+expert, a one-hot weighted sum) is the plain reference the tests hold it to.
 
 Expert parallelism: on a mesh the experts are split over the `model` axis (the partition rule
 table says so). Tokens are already replicated over `model` (tensor parallelism keeps activations
