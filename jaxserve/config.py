@@ -145,13 +145,18 @@ HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 def _read_gemma(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2 / 3's fields. Their windowed and full layers are listed in `layer_types`; Gemma 3
+    """Gemma 2 / 3's fields. Their windowed and full layers are listed in `layer_types` (or follow
+    `sliding_window_pattern`); Gemma 3
     gives each kind its RoPE (transformers 5: `rope_parameters` per layer type; 4:
     `rope_theta` and `rope_scaling` for full layers, `rope_local_base_freq` for windowed ones)."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     _require(act in ("gelu_pytorch_tanh", "gelu_tanh"), f"hidden_activation={act!r} is not supported for Gemma; "
              "supported: gelu_pytorch_tanh")
-    types = hf.get("layer_types") or []
+    types = hf.get("layer_types")
+    if not types:   # configs before `layer_types`: every `pattern`-th layer full (Gemma 2: 2, Gemma 3: 6)
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 2
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(hf["num_hidden_layers"])]
     if "full_attention" in rope:        # per layer type
         full, local = dict(rope["full_attention"]), dict(rope.get("sliding_attention") or {})
     else:

@@ -103,6 +103,15 @@ def test_gemma_reads_its_switches_and_pallas_leaves_it_to_xla(tiny_models):
     assert gemma3.sliding_layers == (True, True, False) and gemma3.qk_norm and gemma3.query_pre_attn_scalar == 24
     assert (gemma3.local_rope_theta, gemma3.rope_theta, gemma3.rope_scaling.kind) == (10000.0, 1e6, "linear")
     assert gemma3.max_position_embeddings > gemma3.sliding_window   # windows applied, context not capped
+    # transformers 4's configs, before `layer_types`: Gemma 2 alternates, Gemma 3 has every 6th full
+    from jaxserve.config import ModelConfig
+
+    old = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+               head_dim=16, sliding_window=8, rope_theta=1e6)
+    assert ModelConfig.from_hf({**old, "architectures": ["Gemma2ForCausalLM"]}).sliding_layers == (True, False) * 3
+    old3 = ModelConfig.from_hf({**old, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 6,
+                                "rope_local_base_freq": 10000.0})
+    assert old3.sliding_layers == (True,) * 5 + (False,) and old3.local_rope_theta == 10000.0
     for config in (gemma2, gemma3):
         with pytest.raises(ValueError, match="'pallas' does not run .* per-layer sliding windows"):
             backend_for(config, "pallas", 2)
