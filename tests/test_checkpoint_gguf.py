@@ -148,11 +148,15 @@ def test_other_architecture_is_named(tmp_path):
         load_gguf(path)
 
 
-def _write_family_gguf(path, directory, arch, config):
-    """A transformers checkpoint as llama.cpp's converter writes it for qwen2 / qwen3 (no q/k
-    row permutation; biases and q/k norms under their blk names)."""
-    from safetensors.numpy import load_file
+# HF module -> llama.cpp tensor name, for the family writers below
+_FAMILY_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
+
+def _family_writer(path, arch, config) -> GGUFWriter:
+    """A writer with the `<arch>.*` keys of a transformers config, as llama.cpp's converter writes them."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_vocab_size(config["vocab_size"])
@@ -166,23 +170,35 @@ def _write_family_gguf(path, directory, arch, config):
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta")))
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, w in load_file(directory / "model.safetensors").items():
-        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            gguf = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[name]
-        else:
-            _, _, layer, *module, kind = name.split(".")
-            gguf = f"blk.{layer}.{names['.'.join(module)]}.{kind}"
-        writer.add_tensor(gguf, w.astype(np.float32))
+    return writer
+
+
+def _gguf_family_name(name: str, names: dict[str, str]) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    if name in globals_:
+        return globals_[name]
+    _, _, layer, *module, kind = name.split(".")
+    return f"blk.{layer}.{names['.'.join(module)]}.{kind}"
+
+
+def _close(writer: GGUFWriter, path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_family_gguf(path, directory, arch, config):
+    """A transformers checkpoint as llama.cpp's converter writes it for qwen2 / qwen3 (no q/k
+    row permutation; biases and q/k norms under their blk names)."""
+    from safetensors.numpy import load_file
+
+    writer = _family_writer(path, arch, config)
+    for name, w in load_file(directory / "model.safetensors").items():
+        writer.add_tensor(_gguf_family_name(name, _FAMILY_NAMES), w.astype(np.float32))
+    return _close(writer, path)
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
@@ -264,28 +280,16 @@ def _write_moe_gguf(path, directory, arch, config, experts_type=Q.F32):
 
     from safetensors.numpy import load_file
 
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer = _family_writer(path, arch, config)
     writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
     if arch != "llama":
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-             "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    names = {**_FAMILY_NAMES, "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     expert = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
     stacks = {}
     for name, w in load_file(directory / "model.safetensors").items():
@@ -293,26 +297,17 @@ def _write_moe_gguf(path, directory, arch, config, experts_type=Q.F32):
             kind = {"w1": "gate", "w3": "up", "w2": "down"}.get(m[3], m[3].removesuffix("_proj"))
             stacks.setdefault(f"blk.{m[1]}.ffn_{kind}_exps.weight", {})[int(m[2])] = w
             continue
-        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            gguf = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[name]
-        else:
-            _, _, layer, *module, kind = name.split(".")
-            gguf = f"blk.{layer}.{names['.'.join(module)]}.{kind}"
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             w = _to_gguf_rows(w, config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"])
-        writer.add_tensor(gguf, w.astype(np.float32).reshape(-1) if "shared_expert_gate" in name else w)
+        writer.add_tensor(_gguf_family_name(name, names),
+                          w.astype(np.float32).reshape(-1) if "shared_expert_gate" in name else w)
     for gguf, by_expert in stacks.items():
         w = np.stack([by_expert[e] for e in sorted(by_expert)]).astype(np.float32)
         if experts_type == Q.F32:
             writer.add_tensor(gguf, w)
         else:
             writer.add_tensor(gguf, quantize(w, experts_type), raw_dtype=experts_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _close(writer, path)
 
 
 @pytest.mark.parametrize("variant, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])

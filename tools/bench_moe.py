@@ -21,26 +21,16 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_lora import timed   # tools/ is the script's directory
 from jaxserve.models.layers.moe import dense_experts, route, routed_experts
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "anchor-64.jsonl"
-
-
-def timed(fn, *args, repeat: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times)) * 1000
 
 
 def dense_mlp(x, gate, up, down):

@@ -229,10 +229,10 @@ def _hf_tensors(tensor, weight):
             weight = weight.reshape(1, -1)   # llama.cpp stores the shared expert's gate as a vector
         return [(_hf_name(tensor.name), weight)]
     experts = int(tensor.shape[2])
-    rows = weight.shape[0] // experts if isinstance(weight, QuantizedTensor) else weight.shape[1]
 
     def expert(e):
         if isinstance(weight, QuantizedTensor):   # its rows are the experts' rows end to end
+            rows = weight.shape[0] // experts
             return weight.map_rows(lambda a: a[e * rows:(e + 1) * rows])
         return weight[e]
 
