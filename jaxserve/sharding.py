@@ -52,10 +52,10 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     # experts [layers, experts, in, out] (and their quantized parts): expert parallelism, whole
     # experts per device
     (r"layers/(gate|up|down)_experts" + _PARTS, P(None, "model", None, None)),
-    # LoRA slots [layers, slots, in, R] / [layers, slots, R, out]: B as its column-parallel base, A
+    # LoRA slots [layers, in, slots, R] / [layers, slots, R, out]: B as its column-parallel base, A
     # as its row-parallel base; the rest replicated
     (r"lora/(q_proj|k_proj|v_proj|gate_proj|up_proj)/b", P(None, None, None, "model")),
-    (r"lora/(o_proj|down_proj)/a", P(None, None, "model", None)),
+    (r"lora/(o_proj|down_proj)/a", P(None, "model", None, None)),
     (r".*", P()),                                                     # norms, output biases
 )
 KV_POOL_SPEC = P(None, "model", "data", None, None)                  # KV heads x pages

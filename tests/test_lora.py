@@ -76,8 +76,8 @@ def test_dense_and_ragged_deltas_equal_a_loop_over_tokens(num_tokens, num_slots)
     a[0], b[0] = 0, 0
     slots = rng.integers(0, num_slots, num_tokens).astype(np.int32)
     expected = np.stack([x[t] @ a[slots[t]] @ b[slots[t]] for t in range(num_tokens)])
-    for delta in (dense_delta, ragged_delta):
-        np.testing.assert_allclose(delta(x, a, b, slots), expected, rtol=1e-5, atol=1e-4)
+    for delta in (dense_delta, ragged_delta):   # A stored input axis first
+        np.testing.assert_allclose(delta(x, a.transpose(1, 0, 2), b, slots), expected, rtol=1e-5, atol=1e-4)
 
 
 # ---- the engine ---------------------------------------------------------------------------------

@@ -45,8 +45,10 @@ def main() -> None:
     print(f"projection {args.in_features} -> {args.out_features}, rank {args.rank}; ms per call")
     print(f"{'tokens':>7}{'slots':>7}{'columns':>9}{'dense':>10}{'ragged':>10}  faster")
     for num_slots in args.slots:
-        a = jnp.asarray(rng.normal(size=(num_slots, args.in_features, args.rank)).astype(np.float32))
-        b = jnp.asarray(rng.normal(size=(num_slots, args.rank, args.out_features)).astype(np.float32))
+        a = rng.normal(size=(args.in_features, num_slots, args.rank)).astype(np.float32)
+        b = rng.normal(size=(num_slots, args.rank, args.out_features)).astype(np.float32)
+        a[:, 0], b[0] = 0, 0   # slot 0 is "no adapter"
+        a, b = jnp.asarray(a), jnp.asarray(b)
         for num_tokens in args.tokens:
             x = jnp.asarray(rng.normal(size=(num_tokens, args.in_features)).astype(np.float32))
             slots = jnp.asarray(rng.integers(0, num_slots, num_tokens).astype(np.int32))

@@ -128,24 +128,29 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, kv_pages: KVPages, layer, meta: AttentionMetadata,
                  attention: AttentionBackend, adapters=None):
         """x [T, hidden] -> ([T, hidden], kv_pages with this layer's new K/V written). `adapters`:
-        this layer's LoRA slots, the tokens' slots and whether any token has one (or None)."""
+        the LoRA slots, this layer's index, the tokens' slots and whether any token has one (or
+        None; see lora.adapted)."""
         cfg = self.cfg
 
-        def linear(x, name, bias):
-            return lora.adapted(x, adapters, name, _linear(x, getattr(self, name), bias))
+        def linear(x, *names):
+            """The projections `names` of x (with their biases and LoRA deltas)."""
+            ys = tuple(_linear(x, getattr(self, name), getattr(self, name.replace("_proj", "_bias")))
+                       for name in names)
+            return lora.adapted(x, adapters, names, ys)
 
         norm = self._norm
         h = norm(x, self.input_norm)
-        q = linear(h, "q_proj", self.q_bias).reshape(-1, cfg.num_heads, cfg.head_dim)
-        k = linear(h, "k_proj", self.k_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = linear(h, "v_proj", self.v_bias).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = linear(h, "q_proj", "k_proj", "v_proj")
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = norm(q, self.q_norm), norm(k, self.k_norm)
         q, k = self._rope(q, meta.positions, layer), self._rope(k, meta.positions, layer)
         if cfg.query_pre_attn_scalar is not None:   # the backends scale by head_dim ** -0.5
             q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
         attn, kv_pages = attention(q, k, v, kv_pages, layer, meta)
-        attn = linear(attn.reshape(attn.shape[0], -1), "o_proj", self.o_bias)
+        attn, = linear(attn.reshape(attn.shape[0], -1), "o_proj")
         if cfg.gemma:
             return self._gemma_mlp(x + norm(attn, self.post_attention_norm), linear), kv_pages
         x = x + attn
@@ -170,10 +175,9 @@ class DecoderLayer(nnx.Module):
     def _mlp(self, h, linear):
         cfg, out = self.cfg, 0.0
         if cfg.intermediate_size:
-            gate = linear(h, "gate_proj", self.gate_bias)
-            up = linear(h, "up_proj", self.up_bias)
+            gate, up = linear(h, "gate_proj", "up_proj")
             act = jax.nn.silu if cfg.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-            out = linear(act(gate) * up, "down_proj", self.down_bias)
+            out, = linear(act(gate) * up, "down_proj")
             if cfg.num_experts:   # Qwen2-MoE's shared expert, under its sigmoid gate
                 out = jax.nn.sigmoid(h @ self.shared_expert_gate[...]) * out
         if cfg.num_experts:
@@ -221,13 +225,13 @@ class Llama(nnx.Module):
 
         def run_layer(carry, weights_and_index):
             x, kv_pages = carry
-            weights, index, layer_lora = weights_and_index
-            adapters = None if layer_lora is None else (layer_lora, lora_slots, any_adapted)
+            weights, index = weights_and_index
+            adapters = None if lora_weights is None else (lora_weights, index, lora_slots, any_adapted)
             x, kv_pages = nnx.merge(layer_graph, weights)(x, kv_pages, index, meta, attention, adapters)
             return (x, kv_pages), None
 
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids, lora_weights))
+        (x, kv_pages), _ = jax.lax.scan(run_layer, (x, kv_pages), (layer_weights, layer_ids))
         return x, kv_pages
 
     def logits(self, x, index) -> jax.Array:
