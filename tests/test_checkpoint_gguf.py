@@ -169,7 +169,9 @@ def _family_writer(path, arch, config) -> GGUFWriter:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta")))
+    rope = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta")
+    writer.add_rope_freq_base(theta)
     return writer
 
 
@@ -347,3 +349,73 @@ def test_q8_0_experts_are_served_as_they_are_stored(tiny_models, tmp_path, monke
     for got, want in zip(_paged_logits(native, list(range(3, 30)), [5, 6]),
                          _paged_logits(dequantised, list(range(3, 30)), [5, 6])):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def _write_gemma_gguf(path, directory, arch, config, end_of_turn: int):
+    """A transformers Gemma 2 / 3 as llama.cpp's converter writes it: norms stored as 1 + w, the
+    four norms of a layer under their llama.cpp names, no query scale (llama.cpp derives it),
+    Gemma 3's full layers' linear scaling; a vocabulary with `<end_of_turn>` at `end_of_turn`."""
+    from safetensors.numpy import load_file
+
+    writer = _family_writer(path, arch, config)
+    writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    else:   # 3 layers: llama.cpp's default (all but every 6th windowed) would window all, so list them
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config["rope_parameters"]["full_attention"]["factor"])
+    tokens = [f"t{i}" for i in range(config["vocab_size"])]
+    tokens[end_of_turn] = "<end_of_turn>"
+    writer.add_token_list(tokens)
+    writer.add_eos_token_id(1)
+    names = {**_FAMILY_NAMES, "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    for name, w in load_file(directory / "model.safetensors").items():
+        w = w.astype(np.float32)
+        writer.add_tensor(_gguf_family_name(name, names), w + 1 if name.endswith("norm.weight") else w)
+    return _close(writer, path)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_files_give_their_hf_twins_logits(arch, smollm2_tokenizer, tmp_path, monkeypatch):
+    """The HF twin scales queries by head_dim ** -0.5, as llama.cpp assumes for every Gemma but the
+    27B ones; Gemma 2's windows follow llama.cpp's default alternation, Gemma 3's the file's list."""
+    import json
+
+    from conftest import write_tiny_model
+    from jaxserve.checkpoint.loader import load_model
+    from test_llama import _paged_logits
+
+    directory = tmp_path / "hf"
+    write_tiny_model(directory, arch, smollm2_tokenizer, query_pre_attn_scalar=16)
+    config = json.loads((directory / "config.json").read_text())
+    (tmp_path / "gguf").mkdir()
+    path = _write_gemma_gguf(tmp_path / "gguf" / f"{arch}.gguf", directory, arch, config, end_of_turn=7)
+    assert load_gguf(path).config["eos_token_id"] == [1, 7]
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    models = [load_model(str(p), "float32") for p in (path, directory)]
+    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
+    assert tokens_aside[0] == tokens_aside[1]
+    ours = [np.concatenate(_paged_logits(m, list(range(3, 30)), [5, 6])) for m in models]
+    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch, layers, scalar, windowed", [
+    ("gemma2", 4, 16, [True, False, True, False]),
+    ("gemma3", 7, 16, [True] * 5 + [False, True]),
+    ("gemma3", 62, 2048 // 8, None),   # the 27B: by hidden / heads
+])
+def test_gemma_gguf_defaults_are_llama_cpps(arch, layers, scalar, windowed):
+    from jaxserve.checkpoint.gguf import _hf_config
+
+    fields = {f"{arch}.{k}": v for k, v in dict(
+        embedding_length=2048, **{"attention.head_count": 8, "attention.key_length": 16,
+                                  "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 512},
+        feed_forward_length=64, block_count=layers, context_length=8192).items()}
+    config = _hf_config(fields, arch, {"token_embd.weight": [2048, 100]})
+    assert config["query_pre_attn_scalar"] == scalar
+    if windowed is not None:
+        assert config["layer_types"] == ["sliding_attention" if w else "full_attention" for w in windowed]
+    assert config.get("rope_local_base_freq") == (10000.0 if arch == "gemma3" else None)

@@ -1,8 +1,10 @@
 """Read llama.cpp GGUF files: an HF-style config, weights under HF names, and the tokenizer.
 
 Architectures (`general.architecture`): llama (Mixtral too, when it has `expert_count`), qwen2
-(q/k/v biases), qwen3 (q/k norms), qwen2moe and qwen3moe, with the metadata keys under the
-architecture's prefix. Experts come stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and
+(q/k/v biases), qwen3 (q/k norms), qwen2moe, qwen3moe, gemma2 and gemma3 (text), with the
+metadata keys under the architecture's prefix. What llama.cpp leaves out of a Gemma file it fixes
+in code, and so do we (`_gemma_config`); its converter stores Gemma's norms as 1 + w, which we
+undo. Experts come stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and
 are split into the HF per-expert names. Q8_0, Q4_0 and Q4_1 tensors can stay quantized
 (`native=True`): their blocks of 32 become a `QuantizedTensor` without a float copy. Every other
 type the `gguf` package decodes (F16, BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32,
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 # general.architecture -> (HF architecture, model_type)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                  "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-                 "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+                 "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+GEMMA = ("gemma2", "gemma3")
 MIXTRAL = ("MixtralForCausalLM", "mixtral")   # llama.cpp writes Mixtral as llama with experts
 # llama.cpp renormalises the k routing weights for these (its `norm_w`); Mixtral always does
 NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -63,6 +67,9 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before its MLP, not after attention
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # stacked experts [experts, out, in] -> each expert's HF name
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -89,8 +96,11 @@ def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
         raise NotImplementedError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                                   f"{', '.join(ARCHITECTURES)}")
     config = _hf_config(fields, arch, {t.name: [int(d) for d in t.shape] for t in reader.tensors})
+    if arch in GEMMA:
+        config["eos_token_id"] = _gemma_end_ids(reader, config["eos_token_id"])
     # llama.cpp interleaves q/k rows for its llama architecture only.
     unpermute = _unpermute if arch == "llama" else (lambda name, w, config: w)
+    names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
     tensors, dequantised = {}, set()
     for tensor in reader.tensors:
         qtype = GGMLQuantizationType(tensor.tensor_type).name
@@ -100,7 +110,9 @@ def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
             weight = _dequantize(tensor)
             if qtype not in FLOAT_TYPES and len(tensor.shape) >= 2:
                 dequantised.add(qtype)
-        for name, part in _hf_tensors(tensor, weight):
+        for name, part in _hf_tensors(tensor, weight, names):
+            if arch in GEMMA and name.endswith("norm.weight"):
+                part = part - np.float32(1)   # stored as 1 + w, the factor Gemma's norm multiplies by
             tensors[name] = (part.map_rows(lambda rows: unpermute(name, rows, config))
                              if isinstance(part, QuantizedTensor) else unpermute(name, part, config))
     if dequantised:
@@ -184,7 +196,51 @@ def _hf_config(fields: dict, arch: str, shapes: dict[str, list[int]]) -> dict:
         config["rope_scaling"] = rope_scaling
     if key("expert_count") in fields:
         config.update(_moe_config(fields, arch, key))
+    if arch in GEMMA:
+        config.update(_gemma_config(fields, arch, key, config))
     return config
+
+
+def _gemma_config(fields: dict, arch: str, key, config: dict) -> dict:
+    """Gemma's fields as llama.cpp sets them (llama-model.cpp): every other layer windowed (Gemma 2)
+    or all but every 6th (Gemma 3), unless the file lists them; Gemma 3's windowed layers on base
+    10,000; queries scaled by head_dim ** -0.5, or by (hidden / heads) ** -0.5 on the 27B models
+    (46 and 62 layers)."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    pattern = fields.get(key("attention.sliding_window_pattern"))
+    if isinstance(pattern, list):   # per layer: windowed or not
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = int(pattern) if pattern else {"gemma2": 2, "gemma3": 6}[arch]
+        sliding = [i % every < every - 1 for i in range(layers)]
+    big = layers == {"gemma2": 46, "gemma3": 62}[arch]
+    gemma = {
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(fields[key("attention.sliding_window")]),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+        "attn_logit_softcapping": _optional_f32(fields.get(key("attn_logit_softcapping"))),
+        "final_logit_softcapping": _optional_f32(fields.get(key("final_logit_softcapping"))),
+    }
+    if arch == "gemma3":
+        gemma["rope_local_base_freq"] = 10000.0
+    return gemma
+
+
+def _gemma_end_ids(reader: GGUFReader, eos) -> list[int]:
+    """Gemma's ends of generation: its eos and, as llama.cpp adds by text, `<end_of_turn>` (where
+    the instruction-tuned models stop)."""
+    ends = [] if eos is None else [int(eos)]
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is not None:
+        tokens = field.contents()
+        if "<end_of_turn>" in tokens:
+            ends.append(tokens.index("<end_of_turn>"))
+    return ends
+
+
+def _optional_f32(value) -> float | None:
+    return None if value is None else _f32(value)
 
 
 def _moe_config(fields: dict, arch: str, key) -> dict:
@@ -221,13 +277,14 @@ def _rope_scaling(fields: dict, arch: str) -> dict | None:
     return scaling
 
 
-def _hf_tensors(tensor, weight):
-    """(HF name, tensor) pairs for one GGUF tensor: itself, or each expert of a stacked one."""
+def _hf_tensors(tensor, weight, names: dict[str, str]):
+    """(HF name, tensor) pairs for one GGUF tensor: itself, or each expert of a stacked one;
+    `names`: the architecture's layer names (`_LAYER_NAMES` or Gemma's)."""
     match = _LAYER_RE.fullmatch(tensor.name)
     if match is None or match[2] not in _EXPERT_NAMES:
         if match is not None and match[2] == "ffn_gate_inp_shexp" and not isinstance(weight, QuantizedTensor):
             weight = weight.reshape(1, -1)   # llama.cpp stores the shared expert's gate as a vector
-        return [(_hf_name(tensor.name), weight)]
+        return [(_hf_name(tensor.name, names), weight)]
     experts = int(tensor.shape[2])
 
     def expert(e):
@@ -240,15 +297,15 @@ def _hf_tensors(tensor, weight):
             for e in range(experts)]
 
 
-def _hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to its HF Llama name."""
+def _hf_name(name: str, names: dict[str, str]) -> str:
+    """Map a llama.cpp tensor name to its HF name."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_RE.fullmatch(name)
-    if match is None or match[2] not in _LAYER_NAMES:
+    if match is None or match[2] not in names:
         # e.g. rope_freqs.weight (Llama 3.1 rope scaling), which has no HF tensor.
         raise NotImplementedError(f"GGUF tensor {name!r} has no HF equivalent")
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
 
 
 def _dequantize(tensor) -> np.ndarray:
