@@ -419,3 +419,44 @@ def test_gemma_gguf_defaults_are_llama_cpps(arch, layers, scalar, windowed):
     if windowed is not None:
         assert config["layer_types"] == ["sliding_attention" if w else "full_attention" for w in windowed]
     assert config.get("rope_local_base_freq") == (10000.0 if arch == "gemma3" else None)
+
+
+def test_phi3_gguf_gives_its_hf_twins_logits(tiny_models, tmp_path, monkeypatch):
+    """Phi-3 as llama.cpp's converter writes it: qkv and gate-up fused (`attn_qkv`, `ffn_up`), the
+    rotated dimensions as `rope.dimension_count`, LongRoPE's factors as two tensors. The tiny
+    model rotates 12 of 16 head dims and switches to the long factors past position 64, which
+    the compared tokens cross."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from jaxserve.checkpoint.loader import load_model
+    from test_llama import _paged_logits
+
+    directory, _ = tiny_models("phi3")
+    config = json.loads((directory / "config.json").read_text())
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    (tmp_path / "gguf").mkdir()
+    path = tmp_path / "gguf" / "phi3.gguf"
+    writer = _family_writer(path, "phi3", config)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(int(partial * head_dim))
+    writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+    tokens = [f"t{i}" for i in range(config["vocab_size"])]
+    tokens[9] = "<|end|>"
+    writer.add_token_list(tokens)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    names = {**_FAMILY_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    for name, w in load_file(directory / "model.safetensors").items():
+        writer.add_tensor(_gguf_family_name(name, names), w.astype(np.float32))
+    _close(writer, path)
+    assert load_gguf(path).config["eos_token_id"] == [2, 9]
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    models = [load_model(str(p), "float32") for p in (path, directory)]
+    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
+    assert tokens_aside[0] == tokens_aside[1] and tokens_aside[0].rotary_dim == 12
+    ours = [np.concatenate(_paged_logits(m, list(range(3, 64)), list(range(5, 13)))) for m in models]   # to 68
+    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)

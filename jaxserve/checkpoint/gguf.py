@@ -1,8 +1,9 @@
 """Read llama.cpp GGUF files: an HF-style config, weights under HF names, and the tokenizer.
 
 Architectures (`general.architecture`): llama (Mixtral too, when it has `expert_count`), qwen2
-(q/k/v biases), qwen3 (q/k norms), qwen2moe, qwen3moe, gemma2 and gemma3 (text), with the
-metadata keys under the architecture's prefix. What llama.cpp leaves out of a Gemma file it fixes
+(q/k/v biases), qwen3 (q/k norms), qwen2moe, qwen3moe, gemma2, gemma3 (text) and phi3 (fused
+qkv and gate-up, LongRoPE factors as tensors), with the metadata keys under the architecture's
+prefix. What llama.cpp leaves out of a Gemma file it fixes
 in code, and so do we (`_gemma_config`); its converter stores Gemma's norms as 1 + w, which we
 undo. Experts come stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and
 are split into the HF per-expert names. Q8_0, Q4_0 and Q4_1 tensors can stay quantized
@@ -32,8 +33,10 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                  "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
                  "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3")}
 GEMMA = ("gemma2", "gemma3")
+# ends of generation llama.cpp finds by their text, per architecture: where chat turns end
+END_TEXTS = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi3": "<|end|>"}
 MIXTRAL = ("MixtralForCausalLM", "mixtral")   # llama.cpp writes Mixtral as llama with experts
 # llama.cpp renormalises the k routing weights for these (its `norm_w`); Mixtral always does
 NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -70,6 +73,9 @@ _LAYER_NAMES = {
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before its MLP, not after attention
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3 keeps HF's fused projections: ffn_up is [gate; up] (split at load, weight_maps.py)
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # stacked experts [experts, out, in] -> each expert's HF name
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -96,13 +102,17 @@ def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
         raise NotImplementedError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                                   f"{', '.join(ARCHITECTURES)}")
     config = _hf_config(fields, arch, {t.name: [int(d) for d in t.shape] for t in reader.tensors})
-    if arch in GEMMA:
-        config["eos_token_id"] = _gemma_end_ids(reader, config["eos_token_id"])
+    if arch in END_TEXTS:
+        config["eos_token_id"] = _end_ids(reader, config["eos_token_id"], END_TEXTS[arch])
+    if arch == "phi3":
+        config.update(_longrope(reader, fields, config))
     # llama.cpp interleaves q/k rows for its llama architecture only.
     unpermute = _unpermute if arch == "llama" else (lambda name, w, config: w)
-    names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
+    names = {"phi3": _PHI3_LAYER_NAMES}.get(arch, _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES)
     tensors, dequantised = {}, set()
     for tensor in reader.tensors:
+        if tensor.name in _LONGROPE_TENSORS:   # read into the config
+            continue
         qtype = GGMLQuantizationType(tensor.tensor_type).name
         if native and qtype in NATIVE_FORMATS and len(tensor.shape) >= 2:
             weight = _blocks(tensor, NATIVE_FORMATS[qtype])
@@ -227,16 +237,33 @@ def _gemma_config(fields: dict, arch: str, key, config: dict) -> dict:
     return gemma
 
 
-def _gemma_end_ids(reader: GGUFReader, eos) -> list[int]:
-    """Gemma's ends of generation: its eos and, as llama.cpp adds by text, `<end_of_turn>` (where
-    the instruction-tuned models stop)."""
+def _end_ids(reader: GGUFReader, eos, text: str) -> list[int]:
+    """The ends of generation: eos and, as llama.cpp adds by its text, the token `text` ending a
+    chat turn (where instruction-tuned models stop)."""
     ends = [] if eos is None else [int(eos)]
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is not None:
         tokens = field.contents()
-        if "<end_of_turn>" in tokens:
-            ends.append(tokens.index("<end_of_turn>"))
+        if text in tokens and tokens.index(text) not in ends:
+            ends.append(tokens.index(text))
     return ends
+
+
+def _longrope(reader: GGUFReader, fields: dict, config: dict) -> dict:
+    """Phi-3's rotated share of each head (`rope.dimension_count`), its window, and LongRoPE:
+    llama.cpp stores the factors as tensors, beside the original context and attention factor."""
+    phi3 = {"partial_rotary_factor": int(fields.get("phi3.rope.dimension_count", config["head_dim"])) / config["head_dim"]}
+    if "phi3.attention.sliding_window" in fields:
+        phi3["sliding_window"] = int(fields["phi3.attention.sliding_window"])
+    factors = {_LONGROPE_TENSORS[t.name]: [_f32(f) for f in np.asarray(t.data, np.float32)]
+               for t in reader.tensors if t.name in _LONGROPE_TENSORS}
+    if factors:
+        original = int(fields["phi3.rope.scaling.original_context_length"])
+        phi3["original_max_position_embeddings"] = original
+        phi3["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+        if "phi3.rope.scaling.attn_factor" in fields:
+            phi3["rope_scaling"]["attention_factor"] = _f32(fields["phi3.rope.scaling.attn_factor"])
+    return phi3
 
 
 def _optional_f32(value) -> float | None:

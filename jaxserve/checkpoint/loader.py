@@ -71,7 +71,7 @@ def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], A
         from jaxserve.checkpoint.gguf import load_gguf
 
         checkpoint = load_gguf(path, native=native)
-        tensors = list(checkpoint.tensors.items())
+        tensors = list(split_fused(checkpoint.tensors.items(), ModelConfig.from_hf(checkpoint.config)))
         return checkpoint.config, tensors, checkpoint_formats(tensors)
     from jaxserve.checkpoint.hf import iter_safetensors, read_hf_config
     from jaxserve.checkpoint.hf_quantized import quantized_tensors, read_scheme
