@@ -118,6 +118,38 @@ def test_gemma_reads_its_switches_and_pallas_leaves_it_to_xla(tiny_models):
         assert resolve_backend("auto", config) == "xla"
 
 
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, smollm2_tokenizer):
+    """A Gemma3ForConditionalGeneration directory (a tiny SigLIP tower beside the tiny Gemma 3) is
+    read as its language model: config.json's text part holds only what differs from
+    transformers' defaults, the tensors sit under the multimodal prefixes, the vision ones are
+    skipped. Our logits on text equal the multimodal model's."""
+    import json
+
+    import transformers
+
+    from conftest import TINY
+
+    text = transformers.Gemma3TextConfig(**{**TINY, **VARIANTS["gemma3"][2]})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    hf_model.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())   # as the Hub's: defaults left out
+    given = {**TINY, **VARIANTS["gemma3"][2]}
+    saved["text_config"] = {"model_type": "gemma3_text", **{k: v for k, v in saved["text_config"].items() if k in given}}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    model = load_model(str(tmp_path), "float32")
+    assert model.config.architecture == "Gemma3ForCausalLM" and model.config.sliding_layers == (True, True, False)
+    tokens = np.random.default_rng(2).integers(0, TINY["vocab_size"], PROMPT_LEN + 4).tolist()
+    with torch.no_grad():
+        reference = hf_model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+    prefill, decoded = _paged_logits(model, tokens[:PROMPT_LEN], tokens[PROMPT_LEN:])
+    np.testing.assert_allclose(np.concatenate([prefill, decoded]), reference, atol=1e-4, rtol=0)
+
+
 def test_the_sliding_window_changes_what_a_query_sees(tiny_models):
     """The same weights with the window off differ past the window and agree within it."""
     import dataclasses
