@@ -139,7 +139,8 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, smollm
     smollm2_tokenizer.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())   # as the Hub's: defaults left out
     given = {**TINY, **VARIANTS["gemma3"][2]}
-    saved["text_config"] = {"model_type": "gemma3_text", **{k: v for k, v in saved["text_config"].items() if k in given}}
+    saved["text_config"] = {"model_type": "gemma3_text",
+                            **{k: v for k, v in saved["text_config"].items() if k in given}}
     (tmp_path / "config.json").write_text(json.dumps(saved))
     model = load_model(str(tmp_path), "float32")
     assert model.config.architecture == "Gemma3ForCausalLM" and model.config.sliding_layers == (True, True, False)

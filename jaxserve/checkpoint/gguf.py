@@ -3,12 +3,11 @@
 Architectures (`general.architecture`): llama (Mixtral too, when it has `expert_count`), qwen2
 (q/k/v biases), qwen3 (q/k norms), qwen2moe, qwen3moe, gemma2, gemma3 (text) and phi3 (fused
 qkv and gate-up, LongRoPE factors as tensors), with the metadata keys under the architecture's
-prefix. What llama.cpp leaves out of a Gemma file it fixes
-in code, and so do we (`_gemma_config`); its converter stores Gemma's norms as 1 + w, which we
-undo. Experts come stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and
-are split into the HF per-expert names. Q8_0, Q4_0 and Q4_1 tensors can stay quantized
-(`native=True`): their blocks of 32 become a `QuantizedTensor` without a float copy. Every other
-type the `gguf` package decodes (F16, BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32,
+prefix. What llama.cpp leaves out of a Gemma file and fixes in code, we fix alike
+(`_gemma_config`); its converter stores Gemma's norms as 1 + w, which we undo. Experts come
+stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and are split into the HF per-expert
+names. Q8_0, Q4_0 and Q4_1 tensors can stay quantized (`native=True`): their blocks of 32 become
+a `QuantizedTensor` without a float copy. Every other type the `gguf` package decodes (F16, BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32,
 with a log line naming the types.
 """
 
@@ -252,7 +251,8 @@ def _end_ids(reader: GGUFReader, eos, text: str) -> list[int]:
 def _longrope(reader: GGUFReader, fields: dict, config: dict) -> dict:
     """Phi-3's rotated share of each head (`rope.dimension_count`), its window, and LongRoPE:
     llama.cpp stores the factors as tensors, beside the original context and attention factor."""
-    phi3 = {"partial_rotary_factor": int(fields.get("phi3.rope.dimension_count", config["head_dim"])) / config["head_dim"]}
+    rotated = int(fields.get("phi3.rope.dimension_count", config["head_dim"]))
+    phi3 = {"partial_rotary_factor": rotated / config["head_dim"]}
     if "phi3.attention.sliding_window" in fields:
         phi3["sliding_window"] = int(fields["phi3.attention.sliding_window"])
     factors = {_LONGROPE_TENSORS[t.name]: [_f32(f) for f in np.asarray(t.data, np.float32)]
@@ -306,7 +306,7 @@ def _rope_scaling(fields: dict, arch: str) -> dict | None:
 
 def _hf_tensors(tensor, weight, names: dict[str, str]):
     """(HF name, tensor) pairs for one GGUF tensor: itself, or each expert of a stacked one;
-    `names`: the architecture's layer names (`_LAYER_NAMES` or Gemma's)."""
+    `names`: the architecture's layer names (`_LAYER_NAMES`, Gemma's or Phi-3's)."""
     match = _LAYER_RE.fullmatch(tensor.name)
     if match is None or match[2] not in _EXPERT_NAMES:
         if match is not None and match[2] == "ffn_gate_inp_shexp" and not isinstance(weight, QuantizedTensor):
