@@ -7,8 +7,8 @@ prefix. What llama.cpp leaves out of a Gemma file and fixes in code, we fix alik
 (`_gemma_config`); its converter stores Gemma's norms as 1 + w, which we undo. Experts come
 stacked (`ffn_gate_exps` ...: one 3-D tensor per layer) and are split into the HF per-expert
 names. Q8_0, Q4_0 and Q4_1 tensors can stay quantized (`native=True`): their blocks of 32 become
-a `QuantizedTensor` without a float copy. Every other type the `gguf` package decodes (F16, BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32,
-with a log line naming the types.
+a `QuantizedTensor` without a float copy. Every other type the `gguf` package decodes (F16,
+BF16, Q5_0, Q4_K, Q5_K, Q6_K, ...) is dequantised to float32, with a log line naming the types.
 """
 
 from __future__ import annotations
