@@ -312,23 +312,30 @@ def _write_moe_gguf(path, directory, arch, config, experts_type=Q.F32):
     return _close(writer, path)
 
 
+def _assert_twins(path, directory, monkeypatch, prompt=tuple(range(3, 30)), continuation=(5, 6)):
+    """The GGUF at `path` and its HF twin `directory` load to the same config (special tokens
+    aside: the writers leave them out) and the same paged logits (1e-5); returns the config."""
+    from jaxserve.checkpoint.loader import load_model
+    from test_llama import _paged_logits
+
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    models = [load_model(str(p), "float32") for p in (path, directory)]
+    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
+    assert tokens_aside[0] == tokens_aside[1]
+    ours = [np.concatenate(_paged_logits(m, list(prompt), list(continuation))) for m in models]
+    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+    return tokens_aside[0]
+
+
 @pytest.mark.parametrize("variant, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
 def test_moe_gguf_files_give_their_hf_twins_logits(variant, arch, tiny_models, tmp_path, monkeypatch):
     import json
-
-    from jaxserve.checkpoint.loader import load_model
-    from test_llama import _paged_logits
 
     directory, _ = tiny_models(variant)
     config = json.loads((directory / "config.json").read_text())
     (tmp_path / "gguf").mkdir()
     path = _write_moe_gguf(tmp_path / "gguf" / f"{variant}.gguf", directory, arch, config)
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
-    models = [load_model(str(p), "float32") for p in (path, directory)]
-    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
-    assert tokens_aside[0] == tokens_aside[1]   # this writer leaves out the special tokens
-    ours = [np.concatenate(_paged_logits(m, list(range(3, 30)), [5, 6])) for m in models]
-    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+    _assert_twins(path, directory, monkeypatch)
 
 
 def test_q8_0_experts_are_served_as_they_are_stored(tiny_models, tmp_path, monkeypatch):
@@ -385,8 +392,6 @@ def test_gemma_gguf_files_give_their_hf_twins_logits(arch, smollm2_tokenizer, tm
     import json
 
     from conftest import write_tiny_model
-    from jaxserve.checkpoint.loader import load_model
-    from test_llama import _paged_logits
 
     directory = tmp_path / "hf"
     write_tiny_model(directory, arch, smollm2_tokenizer, query_pre_attn_scalar=16)
@@ -394,12 +399,7 @@ def test_gemma_gguf_files_give_their_hf_twins_logits(arch, smollm2_tokenizer, tm
     (tmp_path / "gguf").mkdir()
     path = _write_gemma_gguf(tmp_path / "gguf" / f"{arch}.gguf", directory, arch, config, end_of_turn=7)
     assert load_gguf(path).config["eos_token_id"] == [1, 7]
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
-    models = [load_model(str(p), "float32") for p in (path, directory)]
-    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
-    assert tokens_aside[0] == tokens_aside[1]
-    ours = [np.concatenate(_paged_logits(m, list(range(3, 30)), [5, 6])) for m in models]
-    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+    _assert_twins(path, directory, monkeypatch)
 
 
 @pytest.mark.parametrize("arch, layers, scalar, windowed", [
@@ -430,9 +430,6 @@ def test_phi3_gguf_gives_its_hf_twins_logits(tiny_models, tmp_path, monkeypatch)
 
     from safetensors.numpy import load_file
 
-    from jaxserve.checkpoint.loader import load_model
-    from test_llama import _paged_logits
-
     directory, _ = tiny_models("phi3")
     config = json.loads((directory / "config.json").read_text())
     rope = config.get("rope_parameters") or config["rope_scaling"]
@@ -454,9 +451,5 @@ def test_phi3_gguf_gives_its_hf_twins_logits(tiny_models, tmp_path, monkeypatch)
         writer.add_tensor(_gguf_family_name(name, names), w.astype(np.float32))
     _close(writer, path)
     assert load_gguf(path).config["eos_token_id"] == [2, 9]
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
-    models = [load_model(str(p), "float32") for p in (path, directory)]
-    tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
-    assert tokens_aside[0] == tokens_aside[1] and tokens_aside[0].rotary_dim == 12
-    ours = [np.concatenate(_paged_logits(m, list(range(3, 64)), list(range(5, 13)))) for m in models]   # to 68
-    np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
+    served = _assert_twins(path, directory, monkeypatch, range(3, 64), range(5, 13))   # decodes to 68
+    assert served.rotary_dim == 12

@@ -74,6 +74,7 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps HF's fused projections: ffn_up is [gate; up] (split at load, weight_maps.py)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # stacked experts [experts, out, in] -> each expert's HF name
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -107,7 +108,7 @@ def load_gguf(path: str | Path, native: bool = False) -> GGUFCheckpoint:
         config.update(_longrope(reader, fields, config))
     # llama.cpp interleaves q/k rows for its llama architecture only.
     unpermute = _unpermute if arch == "llama" else (lambda name, w, config: w)
-    names = {"phi3": _PHI3_LAYER_NAMES}.get(arch, _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES)
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     tensors, dequantised = {}, set()
     for tensor in reader.tensors:
         if tensor.name in _LONGROPE_TENSORS:   # read into the config
@@ -224,7 +225,7 @@ def _gemma_config(fields: dict, arch: str, key, config: dict) -> dict:
         sliding = [i % every < every - 1 for i in range(layers)]
     big = layers == {"gemma2": 46, "gemma3": 62}[arch]
     gemma = {
-        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
         "sliding_window": int(fields[key("attention.sliding_window")]),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
@@ -243,8 +244,9 @@ def _end_ids(reader: GGUFReader, eos, text: str) -> list[int]:
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is not None:
         tokens = field.contents()
-        if text in tokens and tokens.index(text) not in ends:
-            ends.append(tokens.index(text))
+        end = tokens.index(text) if text in tokens else None
+        if end is not None and end not in ends:
+            ends.append(end)
     return ends
 
 
@@ -306,7 +308,7 @@ def _rope_scaling(fields: dict, arch: str) -> dict | None:
 
 def _hf_tensors(tensor, weight, names: dict[str, str]):
     """(HF name, tensor) pairs for one GGUF tensor: itself, or each expert of a stacked one;
-    `names`: the architecture's layer names (`_LAYER_NAMES`, Gemma's or Phi-3's)."""
+    `names`: the architecture's layer names (`_ARCH_LAYER_NAMES`)."""
     match = _LAYER_RE.fullmatch(tensor.name)
     if match is None or match[2] not in _EXPERT_NAMES:
         if match is not None and match[2] == "ffn_gate_inp_shexp" and not isinstance(weight, QuantizedTensor):
