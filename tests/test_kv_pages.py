@@ -37,6 +37,19 @@ def test_narrow_pools_hold_more_tokens_in_the_same_bytes():
     assert pages["fp8"] == pytest.approx(4 * pages["auto"], abs=4)
 
 
+def test_a_window_every_layer_has_sizes_what_one_sequence_needs():
+    """Pages behind the window are released, so a long context needs only a window and a step."""
+    config = EngineConfig(num_pages=12, page_size=4, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="one sequence of max_model_len=64 needs 16 pages"):
+        kv_pool.num_pages(config, MODEL, jnp.float32, 64)
+    assert kv_pool.num_pages(config, MODEL, jnp.float32, 64, window=8)[0] == 12   # 7 + 16 + 3 keys: 7 pages
+    with pytest.raises(ValueError, match="a sliding window of 28 and a step of max_num_batched_tokens=16 needs "
+                                         "12 pages"):
+        kv_pool.num_pages(config, MODEL, jnp.float32, 64, window=28)
+    with pytest.raises(ValueError, match="max_model_len=64 needs 16 pages"):   # a prompt is one step
+        kv_pool.num_pages(dataclasses.replace(config, enable_chunked_prefill=False), MODEL, jnp.float32, 64, window=8)
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 def test_written_pages_read_back_close_to_their_values(name):
     dtype = kv_pool.resolve_kv_dtype(name, jnp.float32)

@@ -30,6 +30,26 @@ def test_forked_pages_are_freed_by_the_last_holder():
     assert allocator.num_free_pages == 3
 
 
+def test_pages_behind_a_window_are_released_and_their_slots_hold_page_zero():
+    allocator = PageAllocator(num_pages=8, page_size=4)
+    allocator.allocate("a", 14)                       # pages 1-4
+    allocator.cache_pages("a", page_hashes(list(range(14)), 4, []), 1)   # page 1 cached
+    allocator.fork("a", "b", 14)
+    assert allocator.release_before("a", 11) == 2     # positions 0-7: pages 1 and 2
+    assert allocator.block_table("a") == [0, 0, 3, 4] and allocator.release_before("a", 11) == 0
+    assert allocator.refcount(1) == allocator.refcount(2) == 1   # still b's
+    allocator.fork("a", "c", 14)                      # a fork takes no reference to page 0
+    assert allocator.block_table("c") == [0, 0, 3, 4] and allocator.refcount(0) == 0
+    allocator.release_before("b", 16)                 # b's whole table
+    assert allocator.evictable_pages() == [1] and allocator.num_free_pages == 3 + 2   # 5-7, then 1 and 2
+    allocator.cache_pages("c", page_hashes(list(range(14)), 4, []), 3)   # page 0 is never cached
+    assert allocator.cached_hash(0) is None
+    allocator.truncate("c", 1)
+    for seq in ("a", "b", "c"):
+        allocator.free(seq)
+    assert allocator.num_free_pages == allocator.num_usable_pages and allocator.refcount(0) == 0
+
+
 def test_writing_a_shared_page_copies_it_first():
     allocator = PageAllocator(num_pages=8, page_size=4)
     allocator.allocate("parent", 6)                   # pages 1 (full) and 2 (half)

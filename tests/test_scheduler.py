@@ -172,6 +172,35 @@ def test_forked_samples_start_from_the_first_samples_prompt_pages():
     assert s.allocator.num_free_pages == s.allocator.num_usable_pages
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_pages_behind_every_layers_window_return_to_the_pool(caching):
+    """With a window of 6 and pages of 4, a request holds at most three pages however long it runs
+    (two of them hold the 6 keys its next query sees, one the token it writes), chunked prompt
+    and decodes alike, and a second request beside it is unaffected."""
+    s = make(num_pages=16, page_size=4, budget=16, segment=8, caching=caching, sliding_window=6)
+    s.add(request("long", 30, max_tokens=20))
+    s.add(request("short", 3, max_tokens=4))
+    held = []
+    while s.has_unfinished():
+        out = run_step(s)
+        for q in out.sequences:
+            table = s.allocator.block_table(q.request_id)
+            live = [i for i, page in enumerate(table) if page]
+            # every page the chunk's queries see is held, none before the first one's window
+            assert live == list(range((q.start_position - 5) // 4 if q.start_position > 5 else 0, len(table)))
+            held.append(len(live))
+    assert max(held) >= 3 and max(h for h in held[-10:]) <= 3
+    assert s.allocator.num_free_pages == s.allocator.num_usable_pages
+    # without the window the long request alone would need 50 / 4 -> 13 of the 15 pages
+    unwindowed = make(num_pages=16, page_size=4, budget=16, segment=8, caching=caching)
+    unwindowed.add(request("long", 30, max_tokens=20))
+    peak = 0
+    while unwindowed.has_unfinished():
+        run_step(unwindowed)
+        peak = max(peak, len(unwindowed.allocator.block_table("long")))
+    assert peak == 12
+
+
 def test_a_request_waits_for_seats_for_all_its_samples():
     s = make(max_num_seqs=3, budget=64)
     s.add(request("solo", 4, max_tokens=8))

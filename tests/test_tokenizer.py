@@ -41,6 +41,44 @@ def test_the_pre_tokenizer_fix_is_what_makes_ids_match(tokenizer):
     assert tokenizer.encode("2024", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids(d) for d in "2024"]
 
 
+def test_gguf_tokenizer_equals_transformers_own_gguf_loading(tokenizer):
+    """Built from the metadata we read, it is the tokenizer transformers builds from the file."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.checkpoint.gguf import _PRE_TOKENIZERS
+
+    path = default_model_path()
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reference.backend_tokenizer.pre_tokenizer = _PRE_TOKENIZERS["smollm"]()
+    texts = [TEXT, "<|im_start|>user\nhi<|im_end|>", *(r["prompt_text"] for r in _workload("anchor-64.jsonl"))]
+    for text in texts:
+        ids = reference.encode(text)
+        assert tokenizer.encode(text) == ids
+        for skip in (False, True):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "add_bos_token", "add_eos_token",
+                 "chat_template", "all_special_ids"):
+        assert getattr(tokenizer, name) == getattr(reference, name), name
+    assert len(tokenizer) == len(reference)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def test_gguf_tokenizer_loads_without_torch():
+    """Serving installs no torch, and transformers' own GGUF path imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from jaxserve.checkpoint.default_model import default_model_path\n"
+            "from jaxserve.tokenizer import load_tokenizer\n"
+            "print(load_tokenizer(default_model_path()).encode('2024 hi', add_special_tokens=False))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[34, 32, 34, 36, 15876]"
+
+
 def test_gguf_tokenizer_specials_and_chat_template(tokenizer):
     assert (tokenizer.bos_token_id, tokenizer.bos_token) == (1, "<|im_start|>")
     assert (tokenizer.eos_token_id, tokenizer.eos_token) == (2, "<|im_end|>")

@@ -193,8 +193,9 @@ class LLMEngine:
             lambda slot, adapter: self.runner.load_lora(slot, adapter.modules)) if config.enable_lora else None
         draft = self._load_draft(spec)
         draft_bytes = kv_pool.bytes_per_page(draft.config, config.page_size, kv_dtype) if draft else 0
+        window = self._window_of_every_layer(draft)
         pages, source = kv_pool.num_pages(config, self.model.config, kv_dtype, self.max_model_len, num_slices,
-                                          self._memory_budget(), extra_bytes_per_page=draft_bytes)
+                                          self._memory_budget(), extra_bytes_per_page=draft_bytes, window=window)
         self.runner.allocate_pool(pages)
         self.proposer = self._proposer(spec, draft, pages, followers)
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
@@ -202,7 +203,8 @@ class LLMEngine:
         self.scheduler = SlicedScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
                             config.enable_chunked_prefill, config.scheduling_policy,
-                            config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0),
+                            config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0,
+                            window),
             self.allocators, self.proposer)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
@@ -230,6 +232,15 @@ class LLMEngine:
             self.proposer.runner.warm_up()
         log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets)
                  + (len(self.proposer.runner.buckets) if draft else 0), time.perf_counter() - started)
+
+    def _window_of_every_layer(self, draft: LoadedModel | None) -> int | None:
+        """The window all layers attend within (Mistral, Phi-3), behind which pages are released;
+        None where a layer sees the whole context (Gemma's global layers), or a draft model, which
+        reads the same block tables, might."""
+        model = self.model.config
+        if draft is not None or not model.sliding_window or not all(model.sliding_layers or (True,)):
+            return None
+        return model.sliding_window
 
     def _load_draft(self, spec: SpeculativeConfig | None) -> LoadedModel | None:
         """The draft model of method draft_model, in the target's dtype and on its mesh, checked."""

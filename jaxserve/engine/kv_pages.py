@@ -66,11 +66,13 @@ def _pool_bytes(config: EngineConfig, budget: PoolBudget | None) -> tuple[float,
 
 
 def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: int, num_slices: int = 1,
-              budget: PoolBudget | None = None, extra_bytes_per_page: int = 0) -> tuple[int, str]:
+              budget: PoolBudget | None = None, extra_bytes_per_page: int = 0,
+              window: int | None = None) -> tuple[int, str]:
     """(pages per data slice, its page 0 included; where the size comes from), the pool split evenly
     between `num_slices`. `budget`: the memory left on the devices when `sized_by_budget`. Fails if
-    one max-length sequence cannot fit in a slice. `extra_bytes_per_page`: a draft model's pool,
-    page for page beside the target's, shares the bytes."""
+    one max-length sequence cannot fit in a slice; with `window`, every layer's, when pages behind
+    it are released, one sequence holds at most a window and a step's chunk of tokens at a time.
+    `extra_bytes_per_page`: a draft model's pool, page for page beside the target's, shares the bytes."""
     if config.num_pages is not None:
         total, flag = config.num_pages, "--num-pages"
         source = f"num_pages={total}"
@@ -81,11 +83,17 @@ def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: in
     pages = total // num_slices
     if num_slices > 1:
         source += f" split over {num_slices} data slices ({pages} pages each)"
-    needed = math.ceil(max_model_len / config.page_size) + 1
+    longest, what = max_model_len, f"one sequence of max_model_len={max_model_len}"
+    if window and config.enable_chunked_prefill and window - 1 + config.max_num_batched_tokens < max_model_len:
+        # the window's keys before a chunk's first query, the chunk, and a page they start inside
+        longest = window - 1 + config.max_num_batched_tokens + config.page_size - 1
+        what = (f"one sequence of a sliding window of {window} and a step of "
+                f"max_num_batched_tokens={config.max_num_batched_tokens}")
+    needed = math.ceil(longest / config.page_size) + 1
     if pages < needed:
         raise ValueError(
             f"the KV pool is too small: {source} holds {max(pages - 1, 0) * config.page_size} tokens per slice, "
-            f"but one sequence of max_model_len={max_model_len} needs {needed - 1} pages of {config.page_size} "
+            f"but {what} needs {needed - 1} pages of {config.page_size} "
             f"tokens plus the reserved page 0 ({needed} pages, "
             f"{needed * (bytes_per_page(model, config.page_size, dtype) + extra_bytes_per_page) / 2**30:.3f} GiB); "
             f"raise {flag} "

@@ -12,6 +12,10 @@ evicted, least recently released first, only when no uncached free page is left.
 
 Cached pages are never written again: a write into a page that is shared or cached goes to a copy
 (`allocate` returns the copies the device must make before the step's writes).
+
+Where every layer attends within a window (Mistral), a sequence's pages that fall wholly before
+its window are released early (`release_before`): their slots in its table then hold page 0,
+which attention reads only under the window's mask.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class PageAllocator:
         table = self._tables[seq_id]
         for i in range(self._num_registered.get(seq_id, 0), num_pages):
             page = table[i]
-            if hashes[i] not in self._page_of_hash and page not in self._hash_of_page:
+            if page and hashes[i] not in self._page_of_hash and page not in self._hash_of_page:
                 self._page_of_hash[hashes[i]] = page
                 self._hash_of_page[page] = hashes[i]
         self._num_registered[seq_id] = num_pages
@@ -145,10 +149,23 @@ class PageAllocator:
         table = self._tables.get(seq_id, [])
         keep = self.pages_for(num_tokens)
         for page in reversed(table[keep:]):
-            self._release(page)
+            if page:
+                self._release(page)
         del table[keep:]
         if seq_id in self._num_registered:
             self._num_registered[seq_id] = min(self._num_registered[seq_id], keep)
+
+    def release_before(self, seq_id: str, num_tokens: int) -> int:
+        """Releases `seq_id`'s pages holding only positions before `num_tokens` (behind every
+        layer's window), their slots kept as page 0. Returns how many it released."""
+        table = self._tables.get(seq_id, [])
+        released = 0
+        for i in range(min(max(num_tokens, 0) // self.page_size, len(table))):
+            if table[i]:
+                self._release(table[i])
+                table[i] = 0
+                released += 1
+        return released
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Gives `child_id` the pages holding the parent's first `num_tokens` tokens, by reference."""
@@ -156,7 +173,8 @@ class PageAllocator:
             raise ValueError(f"sequence {child_id!r} already holds pages")
         table = self.block_table(parent_id)[:self.pages_for(num_tokens)]
         for page in table:
-            self._reference(page)
+            if page:   # not released behind the window
+                self._reference(page)
         self._tables[child_id] = list(table)
         self._num_registered[child_id] = min(self._num_registered.get(parent_id, 0), len(table))
 
@@ -165,7 +183,8 @@ class PageAllocator:
         a prefix's first pages, which more requests share, stay cached longest."""
         self._num_registered.pop(seq_id, None)
         for page in reversed(self._tables.pop(seq_id, [])):
-            self._release(page)
+            if page:   # not released behind the window
+                self._release(page)
 
     def _must_copy(self, page: int) -> bool:
         return self._refcounts[page] > 1 or page in self._hash_of_page

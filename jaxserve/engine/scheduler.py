@@ -60,6 +60,7 @@ class SchedulerConfig:
     max_wait_steps: int = 256       # waiting steps after which a request outranks every priority
     speculative: SpeculativeConfig | None = None
     max_loras: int = 0              # distinct LoRA adapters running at once; 0: no adapters served
+    sliding_window: int | None = None   # every layer's window, when all have one: pages behind it are released
 
     def chunk_cost(self, num_tokens: int) -> int:
         if num_tokens == 1:
@@ -268,6 +269,7 @@ class Scheduler:
         hashes = request.page_hashes(page_size)[:cacheable] if reads_cache else []
         hits = self.allocator.match_prefix(request.request_id, hashes)
         request.num_computed_tokens = hits * page_size
+        self._release_behind_window(request)
         num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
         if num_tokens == 0 or self.allocator.allocate(
                 request.request_id, request.num_computed_tokens + num_tokens) is None:
@@ -290,6 +292,7 @@ class Scheduler:
                              preempted: list[str]) -> list[tuple[int, int]] | None:
         """Pages for `request`'s chunk, preempting the worst-ranked running requests if needed;
         the page copies to make first. None if `request` itself had to be preempted."""
+        self._release_behind_window(request)
         while True:
             copies = self.allocator.allocate(request.request_id, request.num_computed_tokens + num_tokens,
                                              write_from=request.num_computed_tokens)
@@ -303,6 +306,14 @@ class Scheduler:
             preempted.append(victim.request_id)
             if victim is request:
                 return None
+
+    def _release_behind_window(self, request: Request) -> None:
+        """Returns the pages no query of `request` will see again to the pool: its next chunk's
+        first query, at `num_computed_tokens`, sees keys from `num_computed_tokens - W + 1` on.
+        A step still in flight may read them, but the device runs it before any later write."""
+        if self.config.sliding_window:
+            self.allocator.release_before(request.request_id,
+                                          request.num_computed_tokens - self.config.sliding_window + 1)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
