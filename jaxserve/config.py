@@ -335,6 +335,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse the KV pages of earlier requests' common prefixes
     enable_chunked_prefill: bool = True   # split prompts over steps; off: a prompt is prefilled in one
     async_scheduling: bool = True         # schedule and launch step N+1 before step N is read back
+    compile_in_background: bool = False   # serve once the largest and smallest steps compile; the rest
+                                          # compile meanwhile, steps padded to a compiled one until then
     speculative_config: SpeculativeConfig | None = None   # vLLM's: speculative decoding (also a dict or
                                           # its JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}')
     enable_lora: bool = False             # serve LoRA adapters (PEFT) beside the base model

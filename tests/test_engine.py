@@ -64,6 +64,27 @@ def test_varied_workload_compiles_nothing_after_warm_up(engine):
     assert pool_is_full(engine)
 
 
+def test_compiling_in_the_background_serves_at_once_with_the_same_tokens(engine, tiny):
+    """Ready once the largest bucket (every step fits it) and the smallest compile; requests run
+    meanwhile, padded into a compiled bucket, and get the tokens of an engine that compiled all
+    first. Once the rest are compiled, steps take them and compile nothing more."""
+    background = LLMEngine(EngineConfig(**CONFIG, compile_in_background=True), model=tiny)
+    runner = background.runner
+    ready = runner.ready_buckets
+    assert ready[0] == runner.buckets[0] and ready[-1] == runner.buckets[-1] and len(ready) < len(runner.buckets)
+    prompts = [list(range(10, 10 + n)) for n in (1, 9, 40, 100)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for which in (background, engine):
+        ids = [which.add_request(p, params) for p in prompts]
+        done = drain(which)
+        tokens[which] = [done[i].outputs[0].token_ids for i in ids]
+    assert tokens[background] == tokens[engine]
+    runner.wait_compiled()
+    assert runner.ready_buckets == runner.buckets
+    test_varied_workload_compiles_nothing_after_warm_up(background)
+
+
 def test_outputs_have_the_requested_lengths_and_text(engine):
     ids = [engine.add_request("Hello there, how are you", SamplingParams(temperature=0, max_tokens=n,
                                                                           ignore_eos=True)) for n in (1, 5, 12)]

@@ -9,8 +9,10 @@
                                first, then waiting ones by rank (arrival, or priority); long
                                prompts in chunks; cached prefixes taken from the PageAllocator,
                                which gives pages (copying shared ones before they are written),
-                               preempting the worst-ranked request if none are free; counts the
-                               chunks as computed and their samples as placeholders
+                               preempting the worst-ranked request if none are free (where
+                               every layer has a window, a sequence's pages behind it go back
+                               first); counts the chunks as computed and their samples as
+                               placeholders
                                -> one SchedulerOutput
                                speculative decoding: a step of at most disable_by_batch_size
                                decodes gives each one up to K drafts from the Proposer (n-gram

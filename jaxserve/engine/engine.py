@@ -227,11 +227,14 @@ class LLMEngine:
                      config.max_lora_rank, self.runner.lora_bytes / 2**20,
                      config.max_cpu_loras)
         started = time.perf_counter()
-        self.runner.warm_up(progress)
+        # Several processes run every step together: they compile all of them first.
+        self.runner.warm_up(progress, background=config.compile_in_background and followers is None)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.runner.warm_up()
-        log.info("compiled %d step shapes in %.1f s", len(self.runner.buckets)
-                 + (len(self.proposer.runner.buckets) if draft else 0), time.perf_counter() - started)
+        compiled = len(self.runner.buckets) if self.runner.ready_buckets is None else len(self.runner.ready_buckets)
+        log.info("compiled %d step shapes in %.1f s%s", compiled + (len(self.proposer.runner.buckets) if draft else 0),
+                 time.perf_counter() - started, f"; {len(self.runner.buckets) - compiled} more compile in the "
+                 "background" if compiled < len(self.runner.buckets) else "")
 
     def _window_of_every_layer(self, draft: LoadedModel | None) -> int | None:
         """The window all layers attend within (Mistral, Phi-3), behind which pages are released;

@@ -11,11 +11,13 @@ the same calls in the same order.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -86,11 +88,20 @@ def _bucket_order(segment: int):
     return lambda b: (b.num_tokens(segment), b.num_segments, b.decode_len)
 
 
+def _holds(bucket: Bucket, need: Bucket) -> bool:
+    return (bucket.num_decode >= need.num_decode and bucket.num_segments >= need.num_segments
+            and bucket.decode_len >= need.decode_len)
+
+
+def _stop_and_join(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join()
+
+
 def smallest_bucket(buckets: list[Bucket], need: Bucket) -> Bucket:
     """The first of `buckets` (smallest first) with room for `need`'s decodes and segments."""
     for bucket in buckets:
-        if (bucket.num_decode >= need.num_decode and bucket.num_segments >= need.num_segments
-                and bucket.decode_len >= need.decode_len):
+        if _holds(bucket, need):
             return bucket
     raise ValueError(f"a step of {need} exceeds the largest compiled bucket {buckets[-1]}")
 
@@ -175,9 +186,14 @@ class Runner:
         self._num_rows = max(b.num_logit_rows for b in self.buckets) * self.num_slices
         self._sampled = self._new_sampled()
         self._sampled_rows: dict[str, int] = {}
+        # The buckets a step may take: all (each compiled on first use, or by warm_up), or while
+        # the rest compile in the background, those compiled so far.
+        self._ready: list[Bucket] | None = None
+        self._compiling: threading.Thread | None = None
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
-        return smallest_bucket(self.buckets, self.layout.needs(output, self.num_slices))
+        buckets = self.buckets if self._ready is None else self._ready
+        return smallest_bucket(buckets, self.layout.needs(output, self.num_slices))
 
     def devices(self) -> list:
         """The devices the weights and the pool live on."""
@@ -198,24 +214,69 @@ class Runner:
         compiled = self._step.lower(self.model.params, pool, self._sampled, self.lora, self._place(batch)).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
-    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def warm_up(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> None:
         """Compiles the step for every bucket. Tracing holds the GIL, so it runs on this thread;
         each program's XLA compile goes to a pool as soon as it is traced: one thread on a CPU,
         whose compiler already spreads one program over the cores (a cold start's 12 programs on
-        2 cores: 24.5-25.1 s one at a time, 25.0-31.0 s two at a time), else one thread per core."""
+        2 cores: 24.5-25.1 s one at a time, 25.0-31.0 s two at a time), else one thread per core.
+
+        With `background`, only the buckets no other holds (every step fits one of them) and the
+        smallest (one stream) are compiled before returning; the rest compile on a thread of their
+        own while steps run, each taking the smallest compiled bucket it fits meanwhile."""
+        first = self.buckets
+        if background:
+            first = [b for b in self.buckets if b == self.buckets[0] or not any(
+                o != b and _holds(o, b) for o in self.buckets)]
         no_copies = np.zeros(self.max_copies, np.int32)
         workers = 1 if self.devices()[0].platform == "cpu" else os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             compiles = [pool.submit(self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile)]
-            for bucket in self.buckets:
-                batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-                compiles.append(pool.submit(self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora,
-                                                             self._place(batch)).compile))
+            compiles += [pool.submit(self._lower(bucket).compile) for bucket in first]
             for i, compiled in enumerate(concurrent.futures.as_completed(compiles[1:])):
                 compiled.result()
                 if progress:
-                    progress(i + 1, len(self.buckets))
+                    progress(i + 1, len(first))
             compiles[0].result()
+        if len(first) < len(self.buckets):
+            self._ready = list(first)
+            # Traced here, over the live arrays (lowered over shapes alone, the programs were not
+            # the ones a step's call looks up, and compiled again): only XLA's compile waits.
+            rest = [(b, self._lower(b)) for b in self.buckets if b not in first]
+            self._compiling = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
+                                               name="jaxserve-compile")
+            stop = self._stop_compiling = threading.Event()
+            # At exit the thread finishes the compile it is in, never leaving XLA mid-compile.
+            atexit.register(_stop_and_join, stop, self._compiling)
+            self._compiling.start()
+
+    def _lower(self, bucket: Bucket):
+        batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
+        return self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch))
+
+    def _compile_rest(self, lowered: list[tuple[Bucket, jax.stages.Lowered]]) -> None:
+        started = time.perf_counter()
+        for bucket, step in lowered:
+            if self._stop_compiling.is_set():
+                return
+            try:
+                step.compile()
+            except Exception:  # noqa: BLE001 - steps keep the larger buckets compiled already
+                log.exception("compiling the step for %s failed; steps that fit it take a larger one", bucket)
+                continue
+            # a new list, swapped in whole: the engine thread reads either the old or the new one
+            self._ready = sorted([*self._ready, bucket], key=self.buckets.index)
+        log.info("compiled the other %d step shapes in the background in %.1f s", len(lowered),
+                 time.perf_counter() - started)
+
+    @property
+    def ready_buckets(self) -> list[Bucket] | None:
+        """The buckets compiled so far during a background warm-up; None: every bucket."""
+        return self._ready
+
+    def wait_compiled(self) -> None:
+        """Returns once every bucket is compiled (a background warm-up has finished)."""
+        if self._compiling is not None:
+            self._compiling.join()
 
     def launch(self, output: SchedulerOutput) -> LaunchedStep:
         """Starts one step on the device and returns without waiting for it. Its placeholders take
