@@ -3,6 +3,7 @@
 import importlib.metadata
 import json
 
+import numpy as np
 import pytest
 
 from jaxserve.checkpoint import default_model
@@ -115,6 +116,24 @@ def test_detokenizer_skips_special_tokens_and_uses_prompt_context(tokenizer):
     ids = tokenizer.encode("12 🤖 done", add_special_tokens=False) + [tokenizer.eos_token_id]
     pieces = _stream(IncrementalDetokenizer(tokenizer, prompt_ids=prompt), ids)
     assert "".join(pieces) == "12 🤖 done"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_detokenizer_streams_as_the_window_method_does(tokenizer, seed):
+    """tokenizers' DecodeStream (the fast path) and the decoded window give the same text, on
+    random ids too (specials, bytes that never complete a character), with and without a prompt."""
+    class WindowOnly:   # no backend tokenizer: the window method
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, len(tokenizer), 60).tolist() + tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt = rng.integers(0, len(tokenizer), 8).tolist() if seed % 2 else []
+    for skip in (True, False):
+        fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+        assert fast._stream is not None
+        window = IncrementalDetokenizer(WindowOnly(), prompt, skip_special_tokens=skip)
+        assert "".join(_stream(fast, ids, 1 + seed % 3)) == "".join(_stream(window, ids, 1 + seed % 3))
 
 
 def test_detokenizer_decodes_a_bounded_window(tokenizer):
