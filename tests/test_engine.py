@@ -449,9 +449,9 @@ def test_random_arrivals_aborts_and_lengths_give_each_request_its_own_tokens(eng
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_a_windowed_model_returns_pages_behind_the_window_and_keeps_transformers_tokens(tiny_models, backend):
     """Mistral with a window of 12 on pages of 4, prompts several windows long in steps of 8: the
-    greedy tokens are transformers' own, although the three requests' whole contexts (34 pages)
-    would not fit the pool's 23 pages together. Each holds at most the pages its window and its
-    chunk reach, nobody is preempted, and every page is back in the pool at the end."""
+    greedy tokens are transformers' own, although the requests' whole contexts (over 40 pages) would
+    not fit the pool's 23 pages together. Each holds at most the pages its window and its chunk
+    reach, nobody is preempted, and every page is back in the pool at the end."""
     import torch
 
     directory, hf_model = tiny_models("mistral_window")
@@ -460,18 +460,20 @@ def test_a_windowed_model_returns_pages_behind_the_window_and_keeps_transformers
                                     prefill_chunk=8, max_model_len=128, attention_backend=backend), model=model)
     assert engine.scheduler.slices[0].config.sliding_window == 12
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (45, 30, 7)]
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (45, 30, 7, 15)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    # The last has two samples: the second forks from the first's prompt pages once the first's
+    # decode is scheduled, and recomputes token 14, whose window reaches back to position 3.
+    ids = [engine.add_request(p, dataclasses.replace(params, n=2) if len(p) == 15 else params) for p in prompts]
     allocator, finished, most_held = engine.allocators[0], {}, 0
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
         for table in allocator._tables.values():
             most_held = max(most_held, sum(1 for page in table if page))
-    assert most_held <= 6    # 12 - 1 keys before a chunk's first query, a chunk of 8, from a page's middle: 6 pages
+    assert most_held <= 6    # 12 keys before a chunk's first query, a chunk of 8, from a page's middle: 6 pages
     assert engine.stats().num_preemptions == 0 and pool_is_full(engine)
     for request_id, prompt in zip(ids, prompts):
         with torch.no_grad():
             reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
                                           do_sample=False)[0, len(prompt):].tolist()
-        assert finished[request_id].outputs[0].token_ids == reference
+        assert [o.token_ids for o in finished[request_id].outputs] == [reference] * len(finished[request_id].outputs)

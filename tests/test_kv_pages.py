@@ -42,7 +42,7 @@ def test_a_window_every_layer_has_sizes_what_one_sequence_needs():
     config = EngineConfig(num_pages=12, page_size=4, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="one sequence of max_model_len=64 needs 16 pages"):
         kv_pool.num_pages(config, MODEL, jnp.float32, 64)
-    assert kv_pool.num_pages(config, MODEL, jnp.float32, 64, window=8)[0] == 12   # 7 + 16 + 3 keys: 7 pages
+    assert kv_pool.num_pages(config, MODEL, jnp.float32, 64, window=8)[0] == 12   # 8 + 16 + 3 keys: 7 pages
     with pytest.raises(ValueError, match="a sliding window of 28 and a step of max_num_batched_tokens=16 needs "
                                          "12 pages"):
         kv_pool.num_pages(config, MODEL, jnp.float32, 64, window=28)

@@ -84,9 +84,10 @@ def num_pages(config: EngineConfig, model: ModelConfig, dtype, max_model_len: in
     if num_slices > 1:
         source += f" split over {num_slices} data slices ({pages} pages each)"
     longest, what = max_model_len, f"one sequence of max_model_len={max_model_len}"
-    if window and config.enable_chunked_prefill and window - 1 + config.max_num_batched_tokens < max_model_len:
-        # the window's keys before a chunk's first query, the chunk, and a page they start inside
-        longest = window - 1 + config.max_num_batched_tokens + config.page_size - 1
+    if window and config.enable_chunked_prefill and window + config.max_num_batched_tokens < max_model_len:
+        # the keys kept before a chunk's first query (see Scheduler._release_behind_window), the
+        # chunk, and a page they start inside
+        longest = window + config.max_num_batched_tokens + config.page_size - 1
         what = (f"one sequence of a sliding window of {window} and a step of "
                 f"max_num_batched_tokens={config.max_num_batched_tokens}")
     needed = math.ceil(longest / config.page_size) + 1

@@ -232,16 +232,16 @@ class Runner:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             compiles = [pool.submit(self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile)]
             compiles += [pool.submit(self._lower(bucket).compile) for bucket in first]
+            # The others are traced here, while those compile, over the live arrays (lowered over
+            # shapes alone, they were not the programs a step's call looks up): only XLA waits.
+            rest = [(b, self._lower(b)) for b in self.buckets if b not in first]
             for i, compiled in enumerate(concurrent.futures.as_completed(compiles[1:])):
                 compiled.result()
                 if progress:
                     progress(i + 1, len(first))
             compiles[0].result()
-        if len(first) < len(self.buckets):
+        if rest:
             self._ready = list(first)
-            # Traced here, over the live arrays (lowered over shapes alone, the programs were not
-            # the ones a step's call looks up, and compiled again): only XLA's compile waits.
-            rest = [(b, self._lower(b)) for b in self.buckets if b not in first]
             self._compiling = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
                                                name="jaxserve-compile")
             stop = self._stop_compiling = threading.Event()

@@ -309,11 +309,14 @@ class Scheduler:
 
     def _release_behind_window(self, request: Request) -> None:
         """Returns the pages no query of `request` will see again to the pool: its next chunk's
-        first query, at `num_computed_tokens`, sees keys from `num_computed_tokens - W + 1` on.
-        A step still in flight may read them, but the device runs it before any later write."""
+        first query, at `num_computed_tokens` = p, sees keys from p - W + 1 on. The key at p - W is
+        kept too: the other samples of a prompt fork from its first sample's pages once that one's
+        decode (at p = the prompt's length) is scheduled, and recompute the prompt's last token,
+        whose window starts one key earlier. A step still in flight may read released pages, but
+        the device runs it before any later write to them."""
         if self.config.sliding_window:
             self.allocator.release_before(request.request_id,
-                                          request.num_computed_tokens - self.config.sliding_window + 1)
+                                          request.num_computed_tokens - self.config.sliding_window)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
