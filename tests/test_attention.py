@@ -135,7 +135,9 @@ def _greedy_logits(runner, prompts: dict[str, list[int]], steps: int) -> dict[st
     return {name: np.stack(r) for name, r in rows.items()}
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral_window"])   # the window (12) < the long prompt
+# the window (12) < the long prompt; Gemma 2 alternates windowed and full layers and soft-caps,
+# Gemma 3 has two windowed layers and a full one
+@pytest.mark.parametrize("variant", ["llama", "mistral_window", "gemma2", "gemma3"])
 def test_pallas_backend_gives_the_xla_logits_on_a_tiny_model(variant, tiny_models):
     directory, _ = tiny_models(variant)
     model = load_model(str(directory), "float32")

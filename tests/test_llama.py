@@ -93,9 +93,7 @@ def test_variants_read_their_family_switches(tiny_models):
     assert (windowed.config.sliding_window, windowed.config.max_position_embeddings) == (12, 512)
 
 
-def test_gemma_reads_its_switches_and_pallas_leaves_it_to_xla(tiny_models):
-    from jaxserve.engine.runner import resolve_backend
-
+def test_gemma_reads_its_switches(tiny_models):
     gemma2 = load_model(str(tiny_models("gemma2")[0]), "float32").config
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (2.0, 3.0)
     assert gemma2.sliding_layers == (True, False) and gemma2.hidden_act == "gelu_tanh" and gemma2.gemma
@@ -112,10 +110,8 @@ def test_gemma_reads_its_switches_and_pallas_leaves_it_to_xla(tiny_models):
     old3 = ModelConfig.from_hf({**old, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 6,
                                 "rope_local_base_freq": 10000.0})
     assert old3.sliding_layers == (True,) * 5 + (False,) and old3.local_rope_theta == 10000.0
-    for config in (gemma2, gemma3):
-        with pytest.raises(ValueError, match="'pallas' does not run .* per-layer sliding windows"):
-            backend_for(config, "pallas", 2)
-        assert resolve_backend("auto", config) == "xla"
+    pallas = backend_for(gemma2, "pallas", 2)   # each layer's window picked in the layer scan
+    assert (pallas.layer_windows, pallas.softcap) == ((gemma2.sliding_window, 0), 2.0)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, smollm2_tokenizer):

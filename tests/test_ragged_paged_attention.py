@@ -110,9 +110,9 @@ def random_batch(rng, shape: Shape, num_seqs: int, pool: np.ndarray):
 
 
 def dense_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
-                    sliding_window=None):
+                    sliding_window=None, softcap=None):
     """float64 numpy, one query at a time over its sequence's whole context (or the last
-    `sliding_window` keys up to its position), gathered densely."""
+    `sliding_window` keys up to its position), gathered densely; scores soft-capped by `softcap`."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     tokens, heads, head_dim = q.shape
     kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
@@ -131,6 +131,8 @@ def dense_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens
             for h in range(heads):
                 kh = h // (heads // kv_heads)
                 scores = k[lo:seen, kh] @ q[t, h] * head_dim ** -0.5
+                if softcap:
+                    scores = softcap * np.tanh(scores / softcap)
                 weights = np.exp(scores - scores.max())
                 out[t, h] = weights @ v[lo:seen, kh] / weights.sum()
     return out
@@ -165,13 +167,13 @@ def narrow_pool(args, kv_dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def batches(shape: Shape, count: int = 4, seed: int = 0, kv_dtype: str | None = None,
-            sliding_window: int | None = None):
+            sliding_window: int | None = None, softcap: float | None = None):
     """`count` (args, reference out) pairs with 1, 16 and random sequence counts; cached per shape.
-    kv_dtype "int8" | "fp8": over that narrow pool (`narrow_pool`). sliding_window: the
-    reference's (the batches themselves do not depend on it)."""
+    kv_dtype "int8" | "fp8": over that narrow pool (`narrow_pool`). sliding_window, softcap: the
+    reference's (the batches themselves do not depend on them)."""
     rng = np.random.default_rng(seed)
     reference = jax.jit(functools.partial(ragged_paged_attention_reference,
-                                          sliding_window=sliding_window))
+                                          sliding_window=sliding_window, softcap=softcap))
     pool_shape = (shape.layers, shape.kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
     pool = rng.standard_normal((2, *pool_shape)).astype(np.float32)
     result = []
@@ -363,6 +365,22 @@ def test_kernel_matches_reference_with_sliding_window(platform, shape, window):
 
 
 @interpret_only
+@pytest.mark.parametrize("platform", VARIANTS)
+@pytest.mark.parametrize("shape,window", [(FAST_SHAPES[0], None), WINDOW_CASES[1]], ids=lambda x: str(x))
+def test_kernel_matches_reference_with_softcap(platform, shape, window):
+    """Gemma 2's soft-capping (a cap of 1.5, below many of these random scores), with a window
+    and without; the reference itself against dense numpy."""
+    capped = batches(shape, count=2, sliding_window=window, softcap=1.5)
+    for args, expected in capped:
+        out = run_kernel(platform, shape, args, sliding_window=window, softcap=1.5)
+        assert_close(out, expected, shape.dtype)
+        assert_blind_rows_zero(out, args)
+        if shape.dtype == "float32":
+            assert_close(expected, dense_attention(*args, sliding_window=window, softcap=1.5), "float32")
+    uncapped = batches(shape, count=2, sliding_window=window)[0][1]   # the same batch, not capped
+    assert np.abs(np.asarray(uncapped, np.float32) - np.asarray(capped[0][1], np.float32)).max() > 1e-2
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 100])
 def test_reference_matches_dense_numpy_with_sliding_window(window):
     """Contexts up to 300 over 64-key scan steps: the windowed scan runs fewer steps than the
@@ -480,17 +498,17 @@ def export(fn, platform, *args):
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
 
 
-# (model, tokens, pool dtype, sliding window): every model at decode and prefill sizes; narrow
-# pools at decode; a sliding window at prefill.
-LOWERINGS = ([(model, tokens, "auto", None) for model in MODELS for tokens in (8, 512)]
-             + [(model, 8, kv, None) for model in ("smollm2", "llama3-8b") for kv in KV_DTYPES]
-             + [("llama3-8b", 512, "auto", 1000)])
+# (model, tokens, pool dtype, sliding window, softcap): every model at decode and prefill sizes;
+# narrow pools at decode; a sliding window at prefill; Gemma 2's window and soft-capping at decode.
+LOWERINGS = ([(model, tokens, "auto", None, None) for model in MODELS for tokens in (8, 512)]
+             + [(model, 8, kv, None, None) for model in ("smollm2", "llama3-8b") for kv in KV_DTYPES]
+             + [("llama3-8b", 512, "auto", 1000, None), ("llama3-8b", 8, "auto", 4096, 50.0)])
 
 
 @interpret_only
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-@pytest.mark.parametrize("model,tokens,kv_dtype,window", LOWERINGS, ids=lambda x: str(x))
-def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype, window):
+@pytest.mark.parametrize("model,tokens,kv_dtype,window,softcap", LOWERINGS, ids=lambda x: str(x))
+def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype, window, softcap):
     heads, kv_heads, head_dim, layers, dtype = MODELS[model]
     seqs, page_size, num_pages, pages_per_seq = 8, 16, 1024, 128
     spec = jax.ShapeDtypeStruct
@@ -504,7 +522,8 @@ def test_kernels_lower_for_the_device(platform, model, tokens, kv_dtype, window)
     write_args = (pool, pool, new_kv, new_kv, i32(), i32(tokens), *scales)
     for tuning in device_tunings(platform):
         kw = dict(platform=platform, tuning=tuning, interpret=False)
-        attention = export(functools.partial(ragged_paged_attention, sliding_window=window, **kw),
+        attention = export(functools.partial(ragged_paged_attention, sliding_window=window, softcap=softcap,
+                                             **kw),
                            platform, *attention_args)
         written = export(functools.partial(write_kv, **kw), platform, *write_args)
         target = "tpu_custom_call" if platform == "tpu" else "triton"

@@ -35,7 +35,7 @@ from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.prompt_logprobs import PromptLogprobs
 from jaxserve.engine.rejection_sampler import accepted_length
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
-from jaxserve.models.layers.attention import MeshAttention, backend_for, pallas_supports
+from jaxserve.models.layers.attention import MeshAttention, backend_for
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.layers import lora
 from jaxserve.models.llama import lora_shapes
@@ -106,13 +106,10 @@ def smallest_bucket(buckets: list[Bucket], need: Bucket) -> Bucket:
     raise ValueError(f"a step of {need} exceeds the largest compiled bucket {buckets[-1]}")
 
 
-def resolve_backend(name: str, config: ModelConfig | None = None) -> str:
-    """`auto`: the Pallas kernels where they compile (TPU, GPU) and run the model, plain XLA
-    otherwise."""
+def resolve_backend(name: str) -> str:
+    """`auto`: the Pallas kernels where they compile (TPU, GPU), plain XLA otherwise."""
     if name == "auto":
-        if jax.default_backend() in ("tpu", "gpu") and (config is None or pallas_supports(config)):
-            return "pallas"
-        return "xla"
+        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
     return name
 
 
@@ -154,7 +151,7 @@ class Runner:
         self.model = model
         self.followers = followers
         self.model_index = model_index   # in device calls sent to followers: 0 the target, 1 a draft model
-        self.attention_backend = resolve_backend(attention_backend, model.config)
+        self.attention_backend = resolve_backend(attention_backend)
         self.kv_dtype = kv_pool.resolve_kv_dtype(kv_cache_dtype, model.dtype)
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk

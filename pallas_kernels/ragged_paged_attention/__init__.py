@@ -27,6 +27,9 @@ p - sliding_window < j <= p. The kernels then start each sequence's KV loop at t
 any row of the query block can see, so pages wholly before the window are never read and a
 long context costs no more than the window.
 
+Soft-capping: the static keyword `softcap` (None, or c > 0) turns each scaled score s into
+c * tanh(s / c) before the mask and the softmax, as Gemma 2's `attn_logit_softcapping` does.
+
 Variants: `tpu.py` (Mosaic: scalar prefetch, K/V in HBM, pages DMA'd into VMEM) and `gpu.py`
 (Triton: gathered page loads). Both run on CPU with interpret=True. `kernel.py` holds what they
 share, `reference.py` the plain-jnp specification, `tuning.py` block sizes per device kind.
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import gpu, kernel, tpu
 from pallas_kernels.ragged_paged_attention.reference import (
-    FP8_MAX, NARROW_DTYPES, check_sliding_window, quantize_kv, ragged_paged_attention_reference,
+    FP8_MAX, NARROW_DTYPES, check_sliding_window, check_softcap, quantize_kv, ragged_paged_attention_reference,
     write_kv_reference)
 from pallas_kernels.ragged_paged_attention.tuning import Tuning, tuning_for
 
@@ -130,16 +133,18 @@ def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seq
             raise ValueError(f"{name} must be int32, got {array.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "platform", "tuning",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "softcap", "platform", "tuning",
                                               "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
                            k_scale=None, v_scale=None, *, sm_scale=None, sliding_window=None,
-                           platform=None, tuning=None, interpret=None):
+                           softcap=None, platform=None, tuning=None, interpret=None):
     """out [T, heads, head_dim] in q.dtype: each token attends causally to its sequence's pages.
 
     k/v_scale: the scales of an int8 pool (None for any other dtype).
     sliding_window: None or 0 for full causal attention, else an int >= 1: the query at position
       p sees key j iff p - sliding_window < j <= p (and j < kv_len).
+    softcap: None, or c > 0: each scaled score s becomes c * tanh(s / c) before the mask and the
+      softmax (Gemma 2's attention logit soft-capping).
 
     platform: "tpu" | "gpu" | None (from the backend; CPU runs the TPU kernel interpreted).
     interpret: None means True on CPU, False elsewhere; a `pltpu.InterpretParams` runs the TPU
@@ -150,6 +155,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu
     _check_scales(k_pages, k_scale, v_scale)
     # A window as wide as the table's capacity masks nothing: compile the causal kernel.
     sliding_window = check_sliding_window(sliding_window, block_tables.shape[1] * k_pages.shape[3])
+    softcap = check_softcap(softcap)
     platform, interpret, tuning = _resolve(platform, interpret, tuning)
     tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[1]
@@ -168,7 +174,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu
         out = tpu.attention(rows, k_pages, v_pages, *metadata, k_scale, v_scale, group=group,
                             block_tokens=block_tokens, kv_block_tokens=tuning.kv_block_tokens,
                             kv_heads_per_block=heads_per_block, sm_scale=sm_scale,
-                            interpret=interpret, sliding_window=sliding_window)
+                            interpret=interpret, sliding_window=sliding_window, softcap=softcap)
     else:
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the GPU kernel")
@@ -179,7 +185,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, block_tables, kv_lens, cu
                             group=group, block_rows=block_rows, kv_block_tokens=tuning.kv_block_tokens,
                             sm_scale=sm_scale, num_warps=tuning.gpu_num_warps,
                             num_stages=tuning.gpu_num_stages, interpret=interpret,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, softcap=softcap)
     return kernel.from_rows(out, tokens, heads)
 
 

@@ -33,7 +33,7 @@ from pallas_kernels.ragged_paged_attention import kernel
 
 
 def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, layer_ref, q_ref,
-                      *refs, group, block_keys, sm_scale, sliding_window):
+                      *refs, group, block_keys, sm_scale, sliding_window, softcap):
     # refs: k, v[, k_scale, v_scale], out.
     (k_ref, v_ref), scale_refs, out_ref = refs[:2], refs[2:-1], refs[-1]
     rows, head_dim = q_ref.shape
@@ -72,7 +72,7 @@ def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, laye
                                         q_end=q_end, kv_len=kv_len, row_offset_tokens=0,
                                         sliding_window=sliding_window)
             return kernel.online_softmax_step(q, k, v, valid, key_valid, *state, sm_scale=sm_scale,
-                                              **scales)
+                                              softcap=softcap, **scales)
         return step
 
     def visit_sequence(seq, state):
@@ -99,15 +99,16 @@ def _attention_kernel(tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref, laye
 
 def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
               k_scale=None, v_scale=None, *, group, block_rows, kv_block_tokens, sm_scale, num_warps,
-              num_stages, interpret, sliding_window=None):
+              num_stages, interpret, sliding_window=None, softcap=None):
     """q_rows [kv_heads, rows, D] (rows a multiple of block_rows) -> out rows, same shape.
-    k/v_scale: the int8 pool's scales, or None. sliding_window: static int, or None (causal)."""
+    k/v_scale: the int8 pool's scales, or None. sliding_window: static int, or None (causal).
+    softcap: static float, or None (scores as they are)."""
     kv_heads, num_rows, head_dim = q_rows.shape
     pools = [k_pages, v_pages] + ([k_scale, v_scale] if k_scale is not None else [])
     whole = pl.no_block_spec
     row_block = pl.BlockSpec((None, block_rows, head_dim), lambda i, h: (h, i, 0))
     body = functools.partial(_attention_kernel, group=group, block_keys=kv_block_tokens,
-                             sm_scale=sm_scale, sliding_window=sliding_window)
+                             sm_scale=sm_scale, sliding_window=sliding_window, softcap=softcap)
     return pl.pallas_call(
         body,
         grid=(num_rows // block_rows, kv_heads),

@@ -78,7 +78,7 @@ def widen(block, dtype):
 
 
 def online_softmax_step(q, k, v, valid, key_valid, m, l, acc, *, sm_scale, k_scale=None,
-                        v_scale=None):
+                        v_scale=None, softcap=None):
     """One KV block folded into (m [R, 1], l [R, 1], acc [R, D]); returns the new triple.
 
     q [R, D], k/v [C, D] in their storage dtype; valid [R, C]; key_valid [C, 1] zeroes V rows that
@@ -92,6 +92,8 @@ def online_softmax_step(q, k, v, valid, key_valid, m, l, acc, *, sm_scale, k_sca
                             preferred_element_type=jnp.float32) * sm_scale
     if k_scale is not None:
         s = s * k_scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)

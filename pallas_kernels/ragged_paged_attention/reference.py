@@ -32,6 +32,13 @@ import jax.numpy as jnp
 _TOKENS_PER_STEP = 64  # keys gathered per token and scan step
 
 
+def check_softcap(softcap):
+    """None, or a float > 0 (static): the soft-capping of the scores."""
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and softcap > 0):
+        raise ValueError(f"softcap={softcap!r} must be None or a number > 0")
+    return None if softcap is None else float(softcap)
+
+
 def check_sliding_window(sliding_window, max_keys: int | None = None):
     """The window as the kernels take it: None for full causal attention (None, 0, or a window
     covering all `max_keys` keys a table can hold), else the int; ValueError otherwise."""
@@ -70,12 +77,14 @@ def visible_range(cu_q_lens, kv_lens, num_seqs, num_tokens: int, sliding_window=
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
                                      num_seqs, k_scale=None, v_scale=None, *, sm_scale=None,
-                                     sliding_window=None, platform=None, tuning=None,
+                                     sliding_window=None, softcap=None, platform=None, tuning=None,
                                      interpret=None):
     """out [T, heads, head_dim] in q.dtype; `platform`, `tuning`, `interpret` are ignored.
 
     sliding_window: None or 0 for full causal attention, else an int >= 1: the query at position
     p sees key j iff p - sliding_window < j <= p (and j < kv_len).
+    softcap: None, or c > 0: each score s (scaled) becomes c * tanh(s / c) (Gemma 2's attention
+    logit soft-capping).
     """
     del platform, tuning, interpret
     num_tokens, heads, head_dim = q.shape
@@ -85,6 +94,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, k
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     table_width = block_tables.shape[1]
     sliding_window = check_sliding_window(sliding_window, table_width * page_size)
+    softcap = check_softcap(softcap)
 
     seq, first, visible = visible_range(cu_q_lens, kv_lens, num_seqs, num_tokens, sliding_window)
     pages_per_step = max(1, _TOKENS_PER_STEP // page_size)
@@ -112,6 +122,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, block_tables, k
         k = gather(k_pages, k_scale, pages)
         v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scale, pages), 0.0)  # junk: inf/NaN
         s = jnp.einsum("tkgd,tkcd->tkgc", qf, k, precision=jax.lax.Precision.HIGHEST)
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
         s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)

@@ -43,7 +43,7 @@ def _cdiv(a, b: int):
 
 def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,  # SMEM
                       q_ref, *refs, group, block_tokens, pages_per_block, pages_per_seq, sm_scale,
-                      num_pools, sliding_window):
+                      num_pools, sliding_window, softcap):
     # refs: the pools in HBM (k, v[, k_scale, v_scale]), out, their VMEM buffers, sems, m, l, acc.
     hbm, out_ref, bufs = refs[:num_pools], refs[num_pools], refs[num_pools + 1:2 * num_pools + 1]
     sems, m_ref, l_ref, acc_ref = refs[2 * num_pools + 1:]
@@ -89,7 +89,7 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
                       for name, buf in zip(("k_scale", "v_scale"), bufs[2:])}
             m, l, acc = kernel.online_softmax_step(
                 q_ref[h], bufs[0][slot, h], bufs[1][slot, h], valid, key_valid,
-                m_ref[h], l_ref[h], acc_ref[h], sm_scale=sm_scale, **scales)
+                m_ref[h], l_ref[h], acc_ref[h], sm_scale=sm_scale, softcap=softcap, **scales)
             m_ref[h], l_ref[h], acc_ref[h] = m, l, acc
 
     def visit_sequence(seq, _):
@@ -129,9 +129,10 @@ def _attention_kernel(layer_ref, tables_ref, kv_lens_ref, cu_q_lens_ref, num_seq
 
 def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens, num_seqs,
               k_scale=None, v_scale=None, *, group, block_tokens, kv_block_tokens,
-              kv_heads_per_block, sm_scale, interpret, sliding_window=None):
+              kv_heads_per_block, sm_scale, interpret, sliding_window=None, softcap=None):
     """q_rows [kv_heads, rows, D] (rows a multiple of block_tokens * group) -> out rows, same shape.
-    k/v_scale: the int8 pool's scales, or None. sliding_window: static int, or None (causal)."""
+    k/v_scale: the int8 pool's scales, or None. sliding_window: static int, or None (causal).
+    softcap: static float, or None (scores as they are)."""
     kv_heads, num_rows, head_dim = q_rows.shape
     page_size = k_pages.shape[3]
     pages_per_seq = block_tables.shape[1]
@@ -145,7 +146,8 @@ def attention(q_rows, k_pages, v_pages, layer, block_tables, kv_lens, cu_q_lens,
     buffers = [pltpu.VMEM((2, hb, block_keys) + pool.shape[4:], pool.dtype) for pool in pools]
     body = functools.partial(_attention_kernel, group=group, block_tokens=block_tokens,
                              pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-                             sm_scale=sm_scale, num_pools=len(pools), sliding_window=sliding_window)
+                             sm_scale=sm_scale, num_pools=len(pools), sliding_window=sliding_window,
+                             softcap=softcap)
     return pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -216,18 +216,31 @@ class PallasPagedAttention:
     """The Pallas kernels (`pallas_kernels.ragged_paged_attention`): the step's K/V written into the
     pool in place, then one ragged attention call over all the step's tokens. Interpreted on CPU
     (slow: for tests), compiled on TPU (Mosaic) and GPU (Triton). Reads every pool dtype: the
-    compute dtype, int8 with its scales, float8_e4m3fn."""
+    compute dtype, int8 with its scales, float8_e4m3fn. `layer_windows` (Gemma): the kernel's
+    window is static, so each layer calls the windowed or the full one under a `lax.cond`;
+    `softcap`: Gemma 2's attention logit soft-capping."""
 
-    def __init__(self, sliding_window: int | None = None):
+    def __init__(self, sliding_window: int | None = None, layer_windows: tuple[int, ...] = (),
+                 softcap: float | None = None):
         self.sliding_window = sliding_window
+        self.layer_windows = layer_windows
+        self.softcap = softcap
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         rows = meta.ragged
         scales = () if kv_pages.k_scale is None else (kv_pages.k_scale, kv_pages.v_scale)
         kv_pages = KVPages(*rpa.write_kv(kv_pages.k, kv_pages.v, k, v, layer, meta.slot_mapping, *scales))
-        out = rpa.ragged_paged_attention(q, kv_pages.k, kv_pages.v, layer, rows.block_tables, rows.kv_lens,
-                                         rows.cu_q_lens, rows.num_rows, kv_pages.k_scale, kv_pages.v_scale,
-                                         sliding_window=self.sliding_window)
+
+        def attend(window):
+            return rpa.ragged_paged_attention(q, kv_pages.k, kv_pages.v, layer, rows.block_tables, rows.kv_lens,
+                                              rows.cu_q_lens, rows.num_rows, kv_pages.k_scale, kv_pages.v_scale,
+                                              sliding_window=window, softcap=self.softcap)
+
+        if not self.layer_windows:
+            return attend(self.sliding_window), kv_pages
+        # Gemma: the kernel's window is static, so each layer takes the windowed or the full one
+        windowed = jnp.asarray(self.layer_windows)[layer] > 0
+        out = jax.lax.cond(windowed, lambda: attend(self.sliding_window), lambda: attend(None))
         return out, kv_pages
 
 
@@ -238,18 +251,10 @@ def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(cfg.sliding_window if windowed else 0 for windowed in cfg.sliding_layers)
 
 
-def pallas_supports(cfg: ModelConfig) -> bool:
-    """The kernels take one static window and no soft-capping."""
-    return not layer_windows(cfg) and cfg.attn_logit_softcapping is None
-
-
 def backend_for(cfg: ModelConfig, name: str, pages_per_chunk: int) -> AttentionBackend:
     """The attention backend `name` (xla | pallas) set up for the model's windows and soft-capping."""
     if name == "pallas":
-        if not pallas_supports(cfg):
-            raise ValueError(f"attention backend 'pallas' does not run {cfg.architecture}'s per-layer sliding "
-                             "windows or attention soft-capping; use the xla backend")
-        return PallasPagedAttention(cfg.sliding_window)
+        return PallasPagedAttention(cfg.sliding_window, layer_windows(cfg), cfg.attn_logit_softcapping)
     return XlaPagedAttention(pages_per_chunk, cfg.sliding_window, layer_windows(cfg), cfg.attn_logit_softcapping)
 
 
