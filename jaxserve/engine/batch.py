@@ -125,6 +125,31 @@ class BatchLayout:
         rows: list[ScheduledSequence | None] = [None] * num_rows
         next_prefill_row = gd * dl
         chunks = []   # (first packed token, tokens, context length, pages) of each sequence
+        decodes = [s for s in sequences if is_decode(s)]
+        if _single_tokens(decodes):
+            # The usual step: one token each. Laid out a column at a time, in the order the loop
+            # below would give them rows (row by row: 2 of 256 decodes' 2.6 ms here).
+            at = np.arange(len(decodes), dtype=np.int32) * dl
+            ids = [s.request_id for s in decodes]
+            pos = [s.start_position for s in decodes]
+            tables = [s.block_table for s in decodes]
+            token_ids[at] = [s.token_ids[0] for s in decodes]
+            positions[at] = pos
+            slots[at] = [t[p // ps] * ps + p % ps for t, p in zip(tables, pos)]
+            for i, table in enumerate(tables):
+                decode.block_tables[i, :len(table)] = table
+            decode.used = len(decodes)
+            decode.num_chunks = self.num_chunks(max(pos, default=-1) + 1)
+            for i, s in enumerate(decodes):
+                if s.placeholder:
+                    placeholder_rows[at[i]] = _previous_row(s, previous_rows)
+                if s.samples:
+                    logits_index[at[i]] = at[i]
+                    rows[at[i]] = s
+            if lora_slots:
+                token_lora_slots[at] = [lora_slots.get(i, 0) for i in ids]
+            chunks += [(int(a), 1, p + 1, t) for a, p, t in zip(at, pos, tables)]
+            sequences = [s for s in sequences if not is_decode(s)]
         for s in sequences:
             table = np.asarray(s.block_table, np.int32)
             pos = s.start_position + np.arange(s.num_tokens, dtype=np.int32)
@@ -139,9 +164,7 @@ class BatchLayout:
             chunks.append((int(at[0]), s.num_tokens, s.start_position + s.num_tokens, table))
             token_ids[at] = s.token_ids
             if s.placeholder:
-                if s.request_id not in previous_rows:
-                    raise ValueError(f"{s.request_id} has a placeholder, but the step before did not sample it")
-                placeholder_rows[at[0]] = previous_rows[s.request_id]
+                placeholder_rows[at[0]] = _previous_row(s, previous_rows)
             positions[at] = pos
             slots[at] = table[pos // ps] * ps + pos % ps
             if lora_slots:
@@ -178,6 +201,18 @@ class BatchLayout:
                     found += [(s.request_id, s.start_position + j, row + j) for j in range(len(s.prompt_targets))]
                     row += len(s.prompt_targets)
         return found
+
+
+def _single_tokens(decodes: list[ScheduledSequence]) -> bool:
+    """Every decode slot holds one token and scores no prompt (no drafts): laid out by columns."""
+    return all(s.num_tokens == 1 and not s.prompt_targets for s in decodes)
+
+
+def _previous_row(s: ScheduledSequence, previous_rows: Mapping[str, int]) -> int:
+    """The logit row of the step before that sampled `s`'s placeholder."""
+    if s.request_id not in previous_rows:
+        raise ValueError(f"{s.request_id} has a placeholder, but the step before did not sample it")
+    return previous_rows[s.request_id]
 
 
 def is_decode(s: ScheduledSequence) -> bool:

@@ -297,14 +297,17 @@ class Runner:
             if seq is not None:
                 sample_rows.setdefault(seq.request_id, []).append(i)
         tokens, logprobs, non_finite = {}, {}, set()
+        # Python lists: indexing numpy per row cost ~2 ms a step of 256 sequences
+        sampled, finite, wants_logprobs = (samples.tokens.tolist(), samples.finite.tolist(),
+                                           batch.sampling.logprobs.tolist())
         for seq_id, seq_rows in sample_rows.items():
             seq = rows[seq_rows[0]]
-            seq_rows = seq_rows[:accepted_length(samples.tokens[seq_rows].tolist(), seq.draft_token_ids)]
-            if not samples.finite[seq_rows].all():
+            seq_rows = seq_rows[:accepted_length([sampled[i] for i in seq_rows], seq.draft_token_ids)]
+            if not all(finite[i] for i in seq_rows):
                 non_finite.add(seq_id)
                 continue
-            tokens[seq_id] = tuple(int(samples.tokens[i]) for i in seq_rows)
-            if batch.sampling.logprobs[seq_rows[0]]:
+            tokens[seq_id] = tuple(sampled[i] for i in seq_rows)
+            if wants_logprobs[seq_rows[0]]:
                 k = seq.params.logprobs or 0
                 logprobs[seq_id] = tuple(TokenLogprob(int(samples.tokens[i]), float(samples.logprob[i]), tuple(
                     zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))) for i in seq_rows)

@@ -13,6 +13,8 @@ and truncation. Logprobs are of the raw model distribution.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,42 +151,62 @@ def _bisect(values: jax.Array, enough, steps: int = 48) -> jax.Array:
     return jax.lax.fori_loop(0, steps, halve, (lo, hi))[0]
 
 
+def _filled(shape: tuple[int, ...], value, rows_written: list[int], dtype=np.int32) -> np.ndarray:
+    """`shape` filled with `value`: a new array where rows will be written, else a shared one."""
+    return np.full(shape, value, dtype) if rows_written else _constant(shape, value, np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(shape: tuple[int, ...], value, dtype: np.dtype) -> np.ndarray:
+    array = np.full(shape, value, dtype)
+    array.setflags(write=False)
+    return array
+
+
 def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: int,
                      token_masks: dict[str, np.ndarray] | None = None) -> SamplingTensors:
     """Host arrays for `num_rows` rows from `rows`: per row a `ScheduledSequence` (anything with its
     request_id, params, seed, num_output_tokens, prompt/output/suppressed token ids) or None
     (padding: greedy). `token_masks`: the packed allowed-token mask of each constrained row, by id."""
+    present = [i for i, row in enumerate(rows) if row is not None]
+    # The wide arrays are shared read-only constants when no row needs them: filled anew, they
+    # were most of this function's time (2.5 ms of 256 rows' 2.8 ms; history alone is 2 MB).
+    biased = [i for i in present if rows[i].params.logit_bias or rows[i].suppressed_token_ids]
+    penalized = [i for i in present if rows[i].params.penalizes]
+    masked = [i for i in present if token_masks and rows[i].request_id in token_masks]
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
     min_p = np.zeros(num_rows, np.float32)
     seed = np.zeros(num_rows, np.uint32)
-    bias_ids = np.full((num_rows, BIAS_WIDTH), vocab_size, np.int32)
-    bias = np.zeros((num_rows, BIAS_WIDTH), np.float32)
+    bias_ids = _filled((num_rows, BIAS_WIDTH), vocab_size, biased)
+    bias = _filled((num_rows, BIAS_WIDTH), 0.0, biased, np.float32)
     presence = np.zeros(num_rows, np.float32)
     frequency = np.zeros(num_rows, np.float32)
     repetition = np.ones(num_rows, np.float32)
-    history = np.full((num_rows, history_width), vocab_size, np.int32)
+    history = _filled((num_rows, history_width), vocab_size, penalized)
     num_prompt = np.zeros(num_rows, np.int32)
     logprobs = np.zeros(num_rows, np.bool_)
-    allowed = np.full((num_rows, mask_width(vocab_size)), -1, np.int32)
-    for i, row in enumerate(rows):
-        if row is None:
-            continue
-        p = row.params
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        seed[i] = row_seed(row.seed, row.num_output_tokens)
-        entries = [*p.logit_bias, *((t, -np.inf) for t in row.suppressed_token_ids)]
-        if entries:
-            ids, values = zip(*entries)
-            bias_ids[i, :len(ids)], bias[i, :len(ids)] = ids, values
-        if p.penalizes:
-            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            num_prompt[i] = len(row.prompt_token_ids)
-            history[i, :num_prompt[i]] = row.prompt_token_ids
-            history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
-        logprobs[i] = p.logprobs is not None or p.num_samples > p.n
-        if token_masks and row.request_id in token_masks:
-            allowed[i] = token_masks[row.request_id]
+    allowed = _filled((num_rows, mask_width(vocab_size)), -1, masked)
+    if present:   # what every row has, a column at a time (row by row: ~2x the host time)
+        params = [rows[i].params for i in present]
+        temperature[present] = [p.temperature for p in params]
+        top_k[present] = [p.top_k for p in params]
+        top_p[present] = [p.top_p for p in params]
+        min_p[present] = [p.min_p for p in params]
+        seed[present] = [row_seed(rows[i].seed, rows[i].num_output_tokens) for i in present]
+        logprobs[present] = [p.logprobs is not None or p.num_samples > p.n for p in params]
+    for i in biased:   # what few rows have
+        row = rows[i]
+        ids, values = zip(*row.params.logit_bias, *((t, -np.inf) for t in row.suppressed_token_ids))
+        bias_ids[i, :len(ids)], bias[i, :len(ids)] = ids, values
+    for i in penalized:
+        row, p = rows[i], rows[i].params
+        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        num_prompt[i] = len(row.prompt_token_ids)
+        history[i, :num_prompt[i]] = row.prompt_token_ids
+        history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
+    for i in masked:
+        allowed[i] = token_masks[rows[i].request_id]
     return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,
                            repetition, history, num_prompt, logprobs, allowed)
