@@ -63,8 +63,8 @@ HELP = {
                         "never waits for the host's bookkeeping (steps are serial while a penalised or "
                         "structured-output request runs)",
     "compile_in_background": "start serving once the steps no other holds and the one-stream step are "
-                             "compiled (a cold start of the embedded model on 2 CPU cores: 10.7 s instead of "
-                             "35.2 s); the others compile while it serves, and a step takes the smallest "
+                             "compiled (a cold start of the embedded model on 2 CPU cores: 9.1 s instead of "
+                             "27-31 s); the others compile while it serves, and a step takes the smallest "
                              "compiled one it fits meanwhile",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
                           "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M, \"disable_by_batch_size\": B} "
