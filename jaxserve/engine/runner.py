@@ -297,7 +297,7 @@ class Runner:
             if seq is not None:
                 sample_rows.setdefault(seq.request_id, []).append(i)
         tokens, logprobs, non_finite = {}, {}, set()
-        # Python lists: indexing numpy per row cost ~2 ms a step of 256 sequences
+        # Python lists: indexing numpy per row took 1.1 ms of 256 rows, the lists 0.3-0.4 ms
         sampled, finite, wants_logprobs = (samples.tokens.tolist(), samples.finite.tolist(),
                                            batch.sampling.logprobs.tolist())
         for seq_id, seq_rows in sample_rows.items():
