@@ -128,7 +128,7 @@ class BatchLayout:
         decodes = [s for s in sequences if is_decode(s)]
         if _single_tokens(decodes):
             # The usual step: one token each. Laid out a column at a time, in the order the loop
-            # below would give them rows (row by row: 2 of 256 decodes' 2.6 ms here).
+            # below would give them rows (256 decodes: ~4 ms row by row, ~0.5 ms by columns).
             at = np.arange(len(decodes), dtype=np.int32) * dl
             ids = [s.request_id for s in decodes]
             pos = [s.start_position for s in decodes]
