@@ -189,7 +189,7 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
     num_prompt = np.zeros(num_rows, np.int32)
     logprobs = np.zeros(num_rows, np.bool_)
     allowed = _filled((num_rows, mask_width(vocab_size)), -1, masked)
-    if present:   # what every row has, a column at a time (row by row: ~2x the host time)
+    if present:   # what every row has, a column at a time
         params = [rows[i].params for i in present]
         temperature[present] = [p.temperature for p in params]
         top_k[present] = [p.top_k for p in params]
