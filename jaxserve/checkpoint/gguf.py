@@ -190,11 +190,6 @@ def _smollm_pre_tokenizer():
 _PRE_TOKENIZERS = {"smollm": _smollm_pre_tokenizer}
 
 
-def read_gguf_fields(path: str | Path) -> dict:
-    """Return the GGUF metadata as {key: value}, without the vocabulary arrays."""
-    return _fields(_Reader(path))
-
-
 def _fields(reader: GGUFReader, vocab: bool = False) -> dict:
     """Decode the reader's metadata fields to Python values (the vocabulary arrays only with `vocab`)."""
     return {key: field.contents() for key, field in reader.fields.items() if vocab or key not in _VOCAB_KEYS}

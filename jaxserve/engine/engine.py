@@ -231,7 +231,7 @@ class LLMEngine:
         self.runner.warm_up(progress, background=config.compile_in_background and followers is None)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.runner.warm_up()
-        compiled = len(self.runner.buckets) if self.runner.ready_buckets is None else len(self.runner.ready_buckets)
+        compiled = len(self.runner.ready_buckets)
         log.info("compiled %d step shapes in %.1f s%s", compiled + (len(self.proposer.runner.buckets) if draft else 0),
                  time.perf_counter() - started, f"; {len(self.runner.buckets) - compiled} more compile in the "
                  "background" if compiled < len(self.runner.buckets) else "")

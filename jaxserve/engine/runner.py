@@ -189,8 +189,7 @@ class Runner:
         self._compiling: threading.Thread | None = None
 
     def bucket_for(self, output: SchedulerOutput) -> Bucket:
-        buckets = self.buckets if self._ready is None else self._ready
-        return smallest_bucket(buckets, self.layout.needs(output, self.num_slices))
+        return smallest_bucket(self.ready_buckets, self.layout.needs(output, self.num_slices))
 
     def devices(self) -> list:
         """The devices the weights and the pool live on."""
@@ -239,9 +238,9 @@ class Runner:
             compiles[0].result()
         if rest:
             self._ready = list(first)
-            self._compiling = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
+            stop = threading.Event()
+            self._compiling = threading.Thread(target=self._compile_rest, args=(rest, stop), daemon=True,
                                                name="jaxserve-compile")
-            stop = self._stop_compiling = threading.Event()
             # At exit the thread finishes the compile it is in, never leaving XLA mid-compile.
             atexit.register(_stop_and_join, stop, self._compiling)
             self._compiling.start()
@@ -250,10 +249,10 @@ class Runner:
         batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
         return self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch))
 
-    def _compile_rest(self, lowered: list[tuple[Bucket, jax.stages.Lowered]]) -> None:
+    def _compile_rest(self, lowered: list[tuple[Bucket, jax.stages.Lowered]], stop: threading.Event) -> None:
         started = time.perf_counter()
         for bucket, step in lowered:
-            if self._stop_compiling.is_set():
+            if stop.is_set():
                 return
             try:
                 step.compile()
@@ -266,9 +265,10 @@ class Runner:
                  time.perf_counter() - started)
 
     @property
-    def ready_buckets(self) -> list[Bucket] | None:
-        """The buckets compiled so far during a background warm-up; None: every bucket."""
-        return self._ready
+    def ready_buckets(self) -> list[Bucket]:
+        """The buckets a step may take now: every one, or during a background warm-up those
+        compiled so far."""
+        return self.buckets if self._ready is None else self._ready
 
     def wait_compiled(self) -> None:
         """Returns once every bucket is compiled (a background warm-up has finished)."""
