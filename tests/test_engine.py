@@ -250,8 +250,8 @@ def test_non_finite_logits_fail_only_their_request(engine, monkeypatch):
     alone = generate(engine, "a neighbour", greedy)[0].token_ids
     step = engine.runner._step
 
-    def poisoned(params, kv_pages, sampled, lora, batch):   # rows sampled at temperature 0.5 get NaN logits
-        samples, prompt, kv_pages, sampled = step(params, kv_pages, sampled, lora, batch)
+    def poisoned(params, kv_pages, sampled, lora, batch, score):   # rows sampled at temperature 0.5 get NaN logits
+        samples, prompt, kv_pages, sampled = step(params, kv_pages, sampled, lora, batch, score=score)
         return (samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), prompt, kv_pages,
                 sampled)
 

@@ -34,12 +34,6 @@ def test_scoring_matches_the_reference(rows, scored, vocab):
     assert got.top_ids.shape == (rows, MAX_LOGPROBS)
 
 
-def test_a_step_without_prompt_rows_scores_nothing():
-    table = jnp.ones((8, 64), jnp.float32)
-    got = score_prompt(lambda r: table[r], jnp.zeros(8, jnp.int32), jnp.full(8, -1, jnp.int32))
-    assert not np.asarray(got.logprob).any() and not np.asarray(got.rank).any()
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_models):
     directory, _ = tiny_models("llama")
@@ -114,3 +108,22 @@ def test_prompt_rows_name_what_build_lays_out_over_data_slices():
         s = tokens[name]
         token = s.token_ids[position - s.start_position]
         assert batch.token_ids[batch.prompt_index[row]] == token and batch.prompt_target[row] == token + 1
+
+
+def test_only_steps_with_prompt_rows_run_the_scoring_program(engine, monkeypatch):
+    """Scoring is a program of its own (step.py): a plain request's steps never pick it, and a
+    prompt_logprobs request's prefill steps always do."""
+    runner, picked = engine.runner, []
+    step = runner._step
+
+    def recording(*args, score):
+        picked.append(score)
+        return step(*args, score=score)
+
+    monkeypatch.setattr(runner, "_step", recording)
+    prompt = list(range(3, 3 + PROMPT_LEN))
+    _run(engine, prompt, SamplingParams(temperature=0, max_tokens=3))
+    assert picked and not any(picked)
+    picked.clear()
+    _run(engine, prompt[::-1], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
+    assert picked == [True] * 3 + [False] * 2   # three prefill chunks of at most 16, then two decodes

@@ -1,7 +1,8 @@
 """prompt_logprobs on the device: the logprob and rank of each prompt token under the positions
 before it, and the most likely tokens there.
 
-Only steps that carry prompt rows pay for it (`lax.cond`), and the [rows, vocab] logits are made
+Only steps that carry prompt rows pay for it (step.py compiles it into their program alone), and
+the [rows, vocab] logits are made
 `BLOCK_ROWS` rows at a time (`lax.map`), so a long prefill chunk never holds them all at once.
 """
 
@@ -30,20 +31,17 @@ def score_prompt(logits_of: Callable[[jax.Array], jax.Array], index: jax.Array, 
     """`logits_of(rows)` -> [rows, vocab] float32 logits of those packed token rows; `index` [T] the
     rows to score, `target` [T] the token each predicts (-1: padding, scored as 0 and ignored)."""
     rows = index.shape[0]
+    pad = -rows % BLOCK_ROWS
+    blocks = (jnp.pad(index, (0, pad)).reshape(-1, BLOCK_ROWS),
+              jnp.pad(jnp.maximum(target, 0), (0, pad)).reshape(-1, BLOCK_ROWS))
+    scored = jax.lax.map(lambda block: _score_block(logits_of(block[0]), block[1]), blocks)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:rows], scored)
 
-    def score(index, target):
-        pad = -rows % BLOCK_ROWS
-        blocks = (jnp.pad(index, (0, pad)).reshape(-1, BLOCK_ROWS),
-                  jnp.pad(jnp.maximum(target, 0), (0, pad)).reshape(-1, BLOCK_ROWS))
-        scored = jax.lax.map(lambda block: _score_block(logits_of(block[0]), block[1]), blocks)
-        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:rows], scored)
 
-    def skip(index, target):
-        return PromptLogprobs(jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
-                              jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
-                              jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
-
-    return jax.lax.cond(jnp.any(target >= 0), score, skip, index, target)
+def no_prompt_logprobs(rows: int) -> PromptLogprobs:
+    """What a step without prompt rows returns in their place: zeros of the same shapes."""
+    return PromptLogprobs(jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
+                          jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
 
 
 def _score_block(logits: jax.Array, target: jax.Array) -> PromptLogprobs:

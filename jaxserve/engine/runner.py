@@ -207,7 +207,8 @@ class Runner:
         pool = kv_pool.abstract(self.model.config, self.layout.table_width + 1, self.page_size, self.kv_dtype,
                                 self.model.mesh)
         batch, _ = self.layout.build(SchedulerOutput(()), self.buckets[-1], self.num_slices)
-        compiled = self._step.lower(self.model.params, pool, self._sampled, self.lora, self._place(batch)).compile()
+        compiled = self._step.lower(self.model.params, pool, self._sampled, self.lora, self._place(batch),
+                                    score=True).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> None:
@@ -247,7 +248,8 @@ class Runner:
 
     def _lower(self, bucket: Bucket):
         batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-        return self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch))
+        return self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
+                                score=False)
 
     def _compile_rest(self, lowered: list[tuple[Bucket, jax.stages.Lowered]], stop: threading.Event) -> None:
         started = time.perf_counter()
@@ -371,8 +373,10 @@ class Runner:
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
                                       tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len,
                                       self.model_index))
+        # Followers replaying the step read the same targets, so they pick the same program.
+        score = bool((batch.prompt_target >= 0).any())
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
-                                                                   self.lora, self._place(batch))
+                                                                   self.lora, self._place(batch), score=score)
         return samples, prompt
 
     def _allocate_lora(self, num_slots: int, rank: int):

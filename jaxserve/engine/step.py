@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.batch import StepInput
-from jaxserve.engine.prompt_logprobs import PromptLogprobs, score_prompt
+from jaxserve.engine.prompt_logprobs import PromptLogprobs, no_prompt_logprobs, score_prompt
 from jaxserve.engine.sampler import Samples, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
 
@@ -23,28 +23,35 @@ def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.Sta
     return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention, lora, batch.lora_slots)
 
 
-def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora,
-         batch: StepInput) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
+def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch: StepInput,
+         score: bool) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
     """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages, sampled).
 
     `sampled` [R] int32 holds the tokens of the step before in its first rows; placeholders read
     their ids from it, so the host never waits for them, and it comes back with this step's.
-    `lora`: the LoRA slots (models/layers/lora.py), None without adapters."""
+    `lora`: the LoRA slots (models/layers/lora.py), None without adapters. `score` (static): the
+    batch has prompt rows to score (prompt_logprobs); without it their logprobs are zeros. The
+    scoring is a program of its own, not a `lax.cond` branch, because it was about a quarter of
+    each step's compile (0.58 of 1.96 s for one row) and few steps need it."""
     model = nnx.merge(graphdef, params)
     rows = batch.placeholder_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
     x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention, lora, batch.lora_slots)
     samples = sample(model.logits(x, batch.logits_index), batch.sampling)
-    prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
+    if score:
+        prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
+    else:
+        prompt = no_prompt_logprobs(batch.prompt_index.shape[0])
     return samples, prompt, kv_pages, sampled.at[:samples.tokens.shape[0]].set(samples.tokens)
 
 
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
-    """`step(params, kv_pages, sampled, lora, batch)` jitted with the pool donated: written in place,
-    never copied. On a mesh the samples are replicated, so that every process holds all of them."""
+    """`step(params, kv_pages, sampled, lora, batch, score)` jitted with the pool donated: written
+    in place, never copied. On a mesh the samples are replicated, so that every process holds all of them."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
     out_shardings = None if mesh is None else (replicated, replicated, None, replicated)
-    return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,), out_shardings=out_shardings)
+    return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,), out_shardings=out_shardings,
+                   static_argnames=("score",))
 
 
 def compile_forward(graphdef, attention):
