@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.config import EngineConfig
@@ -10,7 +11,7 @@ from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output import RequestOutput
 from jaxserve.lora_request import LoRARequest
 from jaxserve.progress import progress_bar
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer import chat_prompt_ids
 
 
@@ -41,6 +42,8 @@ class LLM:
         loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         if len(params) != len(prompts) or len(loras) != len(prompts):
             raise ValueError(f"{len(params)} sampling params and {len(loras)} LoRA requests for {len(prompts)} prompts")
+        # Only the final outputs are read, so only they are made (as vLLM's LLM asks).
+        params = [dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         ids = [self.engine.add_request(p, sp, lora_request=lora) for p, sp, lora in zip(prompts, params, loras)]
         done: dict[str, RequestOutput] = {}
         bar = None

@@ -14,7 +14,7 @@ from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
 
@@ -114,6 +114,34 @@ def test_stop_token_ids_and_stop_strings(engine):
     stop_text = reference.text[len(reference.text) // 2:][:3]
     out = generate(engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=10, stop=[stop_text]))[0]
     assert out.finish_reason == "stop" and out.text == reference.text[:reference.text.index(stop_text)]
+
+
+def test_output_kinds_carry_the_same_request(engine):
+    """CUMULATIVE, DELTA and FINAL_ONLY (vLLM's RequestOutputKind) of one request, run side by side:
+    the deltas add up to the cumulative outputs, and the final-only request has one output."""
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    reference = generate(engine, [3, 4, 5, 6], params)
+    params = dataclasses.replace(params, stop=[reference[0].text[len(reference[0].text) // 2:][:2]])
+    kinds = list(RequestOutputKind)
+    ids = [engine.add_request([3, 4, 5, 6], dataclasses.replace(params, output_kind=kind)) for kind in kinds]
+    seen = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    cumulative, delta, final = (seen[i] for i in ids)
+    assert len(final) == 1 and final[0].outputs == cumulative[-1].outputs
+    assert len(delta) == len(cumulative) > 2 and [o.finished for o in delta] == [o.finished for o in cumulative]
+    assert delta[0].prompt_logprobs == cumulative[0].prompt_logprobs and all(o.prompt_logprobs is None
+                                                                             for o in delta[1:])
+    assert any(o.finish_reason == "stop" for o in cumulative[-1].outputs)
+    for i, want in enumerate(cumulative[-1].outputs):
+        parts = [o.outputs[i] for o in delta]
+        assert "".join(p.text for p in parts) == want.text
+        assert [t for p in parts for t in p.token_ids] == want.token_ids
+        assert [lp for p in parts for lp in p.logprobs] == want.logprobs
+        assert parts[-1].finish_reason == want.finish_reason
+        assert parts[-1].cumulative_logprob == want.cumulative_logprob
 
 
 def test_abort_returns_every_page(engine):

@@ -9,7 +9,9 @@ share of wall time the device sat idle waiting for the host.
 token vocabulary) to a temporary folder: its device step is short, as an accelerator's is, so the
 host's share shows. Each size runs with async scheduling off, then on (`--no-serial`: on only).
 Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
-ignored, greedy); all are queued at once, so `--num-seqs` of them run together. With
+ignored, greedy); all are queued at once, so `--num-seqs` of them run together. Requests ask for
+their final output only, as `LLM.generate`'s do (`--output-kind cumulative delta` for what
+streams ask for: an output at every step). With
 `--structured` each request also has a JSON schema of its own (a string field named after it), and
 the `masks` column shows the host time llguidance spends filling the allowed-token masks.
 """
@@ -70,10 +72,10 @@ def schema(index: int) -> dict:
 
 
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool,
-        async_scheduling: bool = True):
+        async_scheduling: bool = True, output_kind: str = "final_only"):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
-    from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+    from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=512,
                           max_num_batched_tokens=max(512, num_seqs * 2), kv_cache_gb=1.0,
@@ -83,7 +85,8 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     startup = time.perf_counter() - started
     times = []
     engine.step_observer = times.append
-    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind[output_kind.upper()])
     for i in range(num_seqs):
         constraint = StructuredOutputsParams(json=schema(i)) if structured else None
         engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=constraint))
@@ -132,6 +135,9 @@ def main() -> None:
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="prompts: the first 32 tokens of each")
     parser.add_argument("--structured", action="store_true", help="a JSON schema per request (see above)")
     parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
+    parser.add_argument("--output-kind", nargs="+", default=["final_only"], choices=["cumulative", "delta", "final_only"],
+                        help="what each request's outputs hold (RequestOutputKind); final_only is what LLM.generate "
+                             "asks for, cumulative and delta what streams get; several: each in turn")
     args = parser.parse_args()
 
     from jaxserve.host_memory import keep_freed_memory
@@ -144,13 +150,14 @@ def main() -> None:
         loaded = None
         label += ", a JSON schema each" if args.structured else ""
         for num_seqs in args.num_seqs:
-            serial_device = None
-            for async_scheduling in (False, True)[args.no_serial:]:
-                times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts,
-                                                   args.structured, async_scheduling)
-                report(f"{label}, async scheduling {'on' if async_scheduling else 'off'}", num_seqs, times, wall,
-                       startup, serial_device)
-                serial_device = sum(t.device for t in times)
+            for kind in args.output_kind:
+                serial_device = None
+                for async_scheduling in (False, True)[args.no_serial:]:
+                    times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts,
+                                                       args.structured, async_scheduling, kind)
+                    report(f"{label}, {kind} outputs, async scheduling {'on' if async_scheduling else 'off'}",
+                           num_seqs, times, wall, startup, serial_device)
+                    serial_device = sum(t.device for t in times)
 
 
 if __name__ == "__main__":

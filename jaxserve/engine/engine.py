@@ -49,7 +49,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.host_memory import keep_freed_memory
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sharding import mesh_from_config
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,12 @@ class _Group:
     first_token_time: float | None = None   # monotonic
     logprobs: list[list[TokenLogprob]] = dataclasses.field(init=False)   # per sample, per token
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)   # [i]: of prompt token i + 1
+    sent: list[tuple[int, int]] = dataclasses.field(init=False)   # DELTA: per sample, (tokens, characters) sent
+    has_output: bool = False   # an output was made (DELTA sends the prompt's logprobs in the first only)
 
     def __post_init__(self):
         self.logprobs = [[] for _ in self.samples]
+        self.sent = [(0, 0)] * len(self.samples)
 
     @property
     def finished(self) -> bool:
@@ -136,31 +139,38 @@ class _Group:
 
     @property
     def streams(self) -> bool:
-        """False with best_of > n: which samples are returned is known only at the end."""
+        """Whether it has an output at every step it moves. Not with best_of > n, where which
+        samples are returned is known only at the end, nor when it asks for the final one only."""
         params = self.samples[0].params
-        return params.num_samples == params.n
+        return params.num_samples == params.n and params.output_kind != RequestOutputKind.FINAL_ONLY
 
     def output(self, request_id: str) -> RequestOutput:
         params = self.samples[0].params
-        outputs = [self._sample_output(i) for i in range(len(self.samples))]
-        if not self.streams:
+        delta = params.output_kind == RequestOutputKind.DELTA
+        outputs = [self._sample_output(i, delta) for i in range(len(self.samples))]
+        if params.num_samples != params.n:
             best = sorted(outputs, key=_likelihood, reverse=True)[:params.n] if self.finished else []
             outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
         scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
         metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
         prompt_logprobs = None
-        if params.prompt_logprobs is not None:   # vLLM's shape: the first token has none
-            prompt_logprobs = [None, *self.prompt_logprobs]
+        if params.prompt_logprobs is not None and not (delta and self.has_output):   # vLLM's shape: the first
+            prompt_logprobs = [None, *self.prompt_logprobs]                          # token has none
+        self.has_output = True
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error,
                              metrics, self.samples[0].num_cached_tokens, prompt_logprobs, self.error_param)
 
-    def _sample_output(self, i: int) -> CompletionOutput:
-        sample, logprobs = self.samples[i], self.logprobs[i]
+    def _sample_output(self, i: int, delta: bool) -> CompletionOutput:
+        """Sample i's output: all of it, or with `delta` what it has not sent yet."""
+        sample, logprobs, text = self.samples[i], self.logprobs[i], self.texts[i].text
         reason = sample.finish_reason.value if sample.finish_reason else None
         computed = len(logprobs) == len(sample.output_token_ids) and sample.output_token_ids
+        tokens, characters = self.sent[i] if delta else (0, 0)
+        if delta:
+            self.sent[i] = len(sample.output_token_ids), len(text)
         return CompletionOutput(
-            i, self.texts[i].text, list(sample.output_token_ids), reason,
-            logprobs=list(logprobs) if sample.params.logprobs is not None else None,
+            i, text[characters:], sample.output_token_ids[tokens:], reason,
+            logprobs=logprobs[tokens:] if sample.params.logprobs is not None else None,
             cumulative_logprob=sum(lp.logprob for lp in logprobs) if computed else None)
 
 
