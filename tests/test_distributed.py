@@ -1,5 +1,5 @@
 """Several processes as one engine: the leader-follower protocol, and two `jaxserve.serve`
-processes with 4 host devices each serving one 2x4 mesh."""
+processes with 4 host devices each serving one 2x4 or 1x8 mesh."""
 
 import dataclasses
 import json
@@ -288,5 +288,37 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
         for process in processes:
             if process.poll() is None:
                 process.kill()
+        for log in logs:
+            log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, mesh", [("qwen3_moe", "1x8"), ("gemma2", "2x4")])
+def test_two_processes_serve_the_other_families(variant, mesh, tiny_models, tmp_path, keys):
+    """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
+    1x8 mesh, four in each process (expert parallelism across processes); Gemma 2's windowed and
+    soft-capped layers with a data slice in each process."""
+    directory, _ = tiny_models(variant)
+    engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE))
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+    expected = {}
+    while engine.has_unfinished_requests():
+        expected.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+
+    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+    cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
+    logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
+         "--mesh", mesh, "--coordinator-address", coordinator, "--num-processes", "2",
+         "--distributed-key-dir", str(keys), "--process-id", str(i), "--port", str(port), "--compile-cache-dir", cache],
+        stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, processes[0], timeout=600)
+        assert [_greedy_tokens(url, p) for p in PROMPTS] == [expected[i] for i in ids]
+    finally:
+        for process in processes:
+            process.kill()
         for log in logs:
             log.close()
