@@ -293,13 +293,15 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, mesh", [("qwen3_moe", "1x8"), ("gemma2", "2x4")])
-def test_two_processes_serve_the_other_families(variant, mesh, tiny_models, tmp_path, keys):
+@pytest.mark.parametrize("variant, mesh, settings", [
+    ("qwen3_moe", "1x8", {}), ("gemma2", "2x4", {}), ("llama", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"})])
+def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, tmp_path, keys):
     """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
     1x8 mesh, four in each process (expert parallelism across processes); Gemma 2's windowed and
-    soft-capped layers with a data slice in each process."""
+    soft-capped layers with a data slice in each process; int8 weights and KV pages (their scales
+    split and sent like the values)."""
     directory, _ = tiny_models(variant)
-    engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE))
+    engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE, **settings))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
     expected = {}
     while engine.has_unfinished_requests():
@@ -309,7 +311,7 @@ def test_two_processes_serve_the_other_families(variant, mesh, tiny_models, tmp_
     cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
     logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
+        [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags({**SMALL_ENGINE, **settings}),
          "--mesh", mesh, "--coordinator-address", coordinator, "--num-processes", "2",
          "--distributed-key-dir", str(keys), "--process-id", str(i), "--port", str(port), "--compile-cache-dir", cache],
         stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
