@@ -329,7 +329,7 @@ class EngineConfig:
     num_pages: int | None = None          # exact KV pool size in pages (tests); wins over the three above
     max_num_seqs: int = 32                # sequences per step
     max_num_batched_tokens: int = 512     # tokens per step (prefill chunks + decodes)
-    prefill_chunk: int = 16               # query tokens per prefill segment in the attention layout
+    prefill_segment: int = 16             # query tokens per prefill segment in the attention layout
     attention_backend: str = "auto"       # auto: pallas on TPU and GPU, xla on CPU
     seed: int = 0                         # seeds requests that give no seed of their own
     enable_prefix_caching: bool = True    # reuse the KV pages of earlier requests' common prefixes
@@ -390,11 +390,11 @@ class EngineConfig:
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 1,
                  f"max_model_len={self.max_model_len} must be >= 1")
-        _require(self.prefill_chunk >= 1 and self.prefill_chunk & (self.prefill_chunk - 1) == 0,
-                 f"prefill_chunk={self.prefill_chunk} must be a power of two >= 1")
-        _require(self.max_num_batched_tokens >= self.prefill_chunk,
+        _require(self.prefill_segment >= 1 and self.prefill_segment & (self.prefill_segment - 1) == 0,
+                 f"prefill_segment={self.prefill_segment} must be a power of two >= 1")
+        _require(self.max_num_batched_tokens >= self.prefill_segment,
                  f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                 f"prefill_chunk={self.prefill_chunk}")
+                 f"prefill_segment={self.prefill_segment}")
         _require(self.scheduling_policy in SCHEDULING_POLICIES,
                  f"scheduling_policy={self.scheduling_policy!r} is not one of {SCHEDULING_POLICIES}")
         _require(self.priority_max_wait_steps >= 1,

@@ -53,7 +53,7 @@ HELP = {
     "num_pages": "exact KV cache size in pages (wins over the other sizes)",
     "max_num_seqs": "sequences per engine step",
     "max_num_batched_tokens": "tokens per engine step",
-    "prefill_chunk": "query tokens per prefill segment",
+    "prefill_segment": "query tokens per prefill segment",
     "attention_backend": "attention kernels: xla (plain jnp), pallas (the Pallas kernels; interpreted, slowly, "
                          "on CPU), auto: pallas on TPU and GPU, xla on CPU",
     "seed": "seed of requests that give none",

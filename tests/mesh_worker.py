@@ -71,7 +71,7 @@ def misplaced(model, kv_cache_dtype: str = "auto") -> list[str]:
 
 def engine_tokens(model, mesh: str) -> np.ndarray:
     engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=96, max_num_seqs=4, max_num_batched_tokens=64,
-                                    prefill_chunk=32, max_model_len=256), model=model)
+                                    prefill_segment=32, max_model_len=256), model=model)
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Once upon a time"]
     ids = [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=16, ignore_eos=True))
            for p in prompts for t in (0.0, 0.8)]

@@ -22,8 +22,8 @@ from jaxserve.server.app import create_app, start_server
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.serving import CONTEXT
 
-TINY_ENGINE = dict(num_pages=160, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk=16, max_model_len=128)
-SMOLLM2_ENGINE = dict(kv_cache_gb=0.25, max_num_seqs=16, max_num_batched_tokens=128, prefill_chunk=32,
+TINY_ENGINE = dict(num_pages=160, max_num_seqs=8, max_num_batched_tokens=128, prefill_segment=16, max_model_len=128)
+SMOLLM2_ENGINE = dict(kv_cache_gb=0.25, max_num_seqs=16, max_num_batched_tokens=128, prefill_segment=32,
                       max_model_len=512)
 _in_use: set[int] = set()
 

@@ -158,7 +158,7 @@ def test_pallas_backend_gives_the_xla_tokens_on_smollm2(smollm2):
     tokens = {}
     for backend in ("xla", "pallas"):
         engine = LLMEngine(EngineConfig(attention_backend=backend, num_pages=64, max_num_seqs=4,
-                                        max_num_batched_tokens=64, prefill_chunk=32, max_model_len=256),
+                                        max_num_batched_tokens=64, prefill_segment=32, max_model_len=256),
                            model=smollm2)
         ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)) for p in prompts]
         done = {}

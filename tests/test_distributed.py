@@ -294,7 +294,8 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, mesh, settings", [
-    ("qwen3_moe", "1x8", {}), ("gemma2", "2x4", {}), ("llama", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"})])
+    ("qwen3_moe", "1x8", {}), ("gemma2", "2x4", {}),
+    ("llama", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"})])
 def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, tmp_path, keys):
     """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
     1x8 mesh, four in each process (expert parallelism across processes); Gemma 2's windowed and

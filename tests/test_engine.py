@@ -485,7 +485,7 @@ def test_a_windowed_model_returns_pages_behind_the_window_and_keeps_transformers
     directory, hf_model = tiny_models("mistral_window")
     model = load_model(str(directory), "float32")
     engine = LLMEngine(EngineConfig(num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                                    prefill_chunk=8, max_model_len=128, attention_backend=backend), model=model)
+                                    prefill_segment=8, max_model_len=128, attention_backend=backend), model=model)
     assert engine.scheduler.slices[0].config.sliding_window == 12
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (45, 30, 7, 15)]

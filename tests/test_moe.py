@@ -117,7 +117,7 @@ def test_engine_serves_an_moe_model_batch_invariantly(tiny_models):
     model = load_model(str(tiny_models("qwen3_moe")[0]), "float32")
     assert model.config.num_experts == 8 and model.config.intermediate_size == 0
     engine = LLMEngine(EngineConfig(max_model_len=128, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
-                                    prefill_chunk=16), model=model)
+                                    prefill_segment=16), model=model)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 23, 41)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -38,7 +38,7 @@ def test_scoring_matches_the_reference(rows, scored, vocab):
 def engine(tiny_models):
     directory, _ = tiny_models("llama")
     return LLMEngine(EngineConfig(model=str(directory), num_pages=64, page_size=8, max_num_seqs=2,
-                                  max_num_batched_tokens=16, prefill_chunk=16, max_model_len=128))
+                                  max_num_batched_tokens=16, prefill_segment=16, max_model_len=128))
 
 
 def _run(engine, prompt, params):

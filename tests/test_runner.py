@@ -9,7 +9,7 @@ from jaxserve.engine.runner import smallest_bucket, step_buckets
 
 
 def test_default_settings_compile_at_most_twelve_programs():
-    buckets = step_buckets(32, 512, 16)   # EngineConfig's max_num_seqs, budget and prefill_chunk
+    buckets = step_buckets(32, 512, 16)   # EngineConfig's max_num_seqs, budget and prefill_segment
     assert len(buckets) <= 12
     assert buckets[0] == Bucket(1, 0) and buckets[-1] == Bucket(32, 32)
 
@@ -23,7 +23,7 @@ def test_decode_only_steps_get_no_padded_segments():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 300), st.sampled_from([1, 8, 16, 32]), st.integers(1, 4096), st.data())
 def test_every_schedulable_step_fits_a_small_enough_bucket(max_num_seqs, segment, budget, data):
-    budget = max(budget, segment)   # EngineConfig: max_num_batched_tokens >= prefill_chunk
+    budget = max(budget, segment)   # EngineConfig: max_num_batched_tokens >= prefill_segment
     buckets = step_buckets(max_num_seqs, budget, segment)
     # The scheduler: at most max_num_seqs sequences; decodes cost a token, chunks whole segments.
     segments = data.draw(st.integers(0, budget // segment))

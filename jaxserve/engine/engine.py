@@ -191,11 +191,11 @@ class LLMEngine:
         kv_dtype = kv_pool.resolve_kv_dtype(config.kv_cache_dtype, self.model.dtype)
         spec = config.speculative_config
         self.runner = Runner(self.model, None, config.page_size, self.max_model_len, config.max_num_seqs,
-                             config.max_num_batched_tokens, config.prefill_chunk,
+                             config.max_num_batched_tokens, config.prefill_segment,
                              attention_backend=config.attention_backend, followers=followers,
                              kv_cache_dtype=config.kv_cache_dtype, speculative_buckets=speculative_buckets(
                                  min(spec.disable_by_batch_size, config.max_num_seqs), spec.num_speculative_tokens,
-                                 config.max_num_batched_tokens, config.prefill_chunk) if spec else [],
+                                 config.max_num_batched_tokens, config.prefill_segment) if spec else [],
                              max_loras=config.max_loras if config.enable_lora else 0,
                              max_lora_rank=config.max_lora_rank)
         self.lora_adapters = LoraAdapters(
@@ -211,7 +211,7 @@ class LLMEngine:
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
                            for _ in range(num_slices)]
         self.scheduler = SlicedScheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_segment,
                             config.enable_chunked_prefill, config.scheduling_policy,
                             config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0,
                             window),
@@ -272,10 +272,10 @@ class LLMEngine:
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         config, max_num_seqs = self.config, min(spec.disable_by_batch_size, self.config.max_num_seqs)
         runner = Runner(draft, pages, config.page_size, self.max_model_len, max_num_seqs,
-                        config.max_num_batched_tokens, config.prefill_chunk,
+                        config.max_num_batched_tokens, config.prefill_segment,
                         attention_backend=config.attention_backend, followers=followers,
                         kv_cache_dtype=config.kv_cache_dtype, model_index=1)
-        return DraftModelProposer(runner, max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk)
+        return DraftModelProposer(runner, max_num_seqs, config.max_num_batched_tokens, config.prefill_segment)
 
     def replay(self, call: DeviceCall) -> None:
         """A follower process makes a device call of process 0's target or draft model runner."""

@@ -7,11 +7,12 @@ tokens write there, and nothing real ever reads it. Each layer first writes the 
 their pages (`slot_mapping`), then every query attends to its own sequence's pages, which now
 hold the whole context, causally by position.
 
-The step's tokens are packed along one axis `T = Gd + Gp * Qc` in two groups, so that a step that
+The step's tokens are packed along one axis `T = Gd * L + Gp * S` in two groups, so that a step that
 mixes decodes and prompt chunks costs about what its real tokens cost:
   decode group  [Gd, L]   the first Gd * L tokens: one per sequence (decodes, 1-token prompt tails),
                           L = 1, or 1 + K with K speculative drafts per decode
-  prefill group [Gp, Qc]  the rest: prompt chunks cut into segments of Qc tokens of one sequence
+  prefill group [Gp, S]   the rest: prompt chunks cut into segments of S tokens of one sequence
+                          (S = `--prefill-segment`)
 Padding tokens sit at position -1 and see nothing. Both groups loop over the context in chunks
 of pages with an online (flash) softmax, so no program is compiled per context length and no
 `[queries, context]` score matrix is ever built.
