@@ -426,19 +426,24 @@ def test_stops_aborts_and_preemption_under_async_scheduling_equal_serial_steps(e
         assert aborted[-1] is None and final_tokens(aborted) == whole[:len(final_tokens(aborted))]
 
 
-def test_penalised_requests_run_serial_steps_with_the_same_tokens(engine, monkeypatch):
-    """A running penalised request's next step needs its last token on the host: no step is
+def test_penalised_requests_are_scheduled_ahead_with_the_same_tokens(engine, monkeypatch):
+    """A penalised request's last token is counted on the device (sampler.PLACEHOLDER): steps are
     scheduled ahead while it runs, and its tokens and its neighbour's equal serial steps'."""
     ahead = []
     schedules_ahead = engine._schedules_ahead
     monkeypatch.setattr(engine, "_schedules_ahead", lambda: ahead.append(schedules_ahead()) or ahead[-1])
     requests = [([3, 1, 4, 1, 5], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                  repetition_penalty=1.3, frequency_penalty=0.5)),
+                ([2, 7, 1, 8], SamplingParams(temperature=0.7, seed=5, max_tokens=10, ignore_eos=True,
+                                              presence_penalty=1.5)),
                 ([2, 7, 1, 8], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
     overlapped = [final_tokens(o) for o in run_streams(engine, requests)]
-    assert ahead and not any(ahead[:9])
+    assert ahead and all(ahead[:9])
     with serial(engine):
         assert [final_tokens(o) for o in run_streams(engine, requests)] == overlapped
+    unpenalised = [final_tokens(o) for o in run_streams(engine, [(p, dataclasses.replace(
+        params, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)) for p, params in requests])]
+    assert unpenalised[0] != overlapped[0]   # the penalties changed its tokens (it repeats some)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,10 +1,12 @@
 """On-device sampling against its definition, row by row."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import _penalize, row_seed, sample, sampling_tensors
+from jaxserve.engine.sampler import PLACEHOLDER, _penalize, row_seed, sample, sampling_tensors
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -117,6 +119,21 @@ def test_penalties_bias_and_min_tokens_match_numpy(seed):
         biased[i, list(r.suppressed_token_ids)] = -np.inf
     processed = np.asarray(jax.jit(_penalize)(biased, t))   # the whole rows, not just their argmax
     np.testing.assert_allclose(processed, np.array(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_placeholder_in_a_penalised_history_counts_the_rows_last_token():
+    """Async scheduling: a penalised row whose last token is still on the device has PLACEHOLDER
+    in its history, filled from its input token: as if the host had the token."""
+    rng = np.random.default_rng(7)
+    vocab, prompt, output, last = 50, [3, 9, 9, 4], [9, 11], 11
+    params = SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4)
+    known = tensors([row(params, prompt=prompt, output=(*output, last))], 1, vocab)
+    held = tensors([dataclasses.replace(row(params, prompt=prompt, output=output), placeholder=True)], 1, vocab)
+    assert PLACEHOLDER in held.history[0]
+    logits = rng.normal(scale=3, size=(1, vocab)).astype(np.float32)
+    np.testing.assert_allclose(jax.jit(_penalize)(logits, held, np.array([last], np.int32)),
+                               jax.jit(_penalize)(logits, known), rtol=1e-6)
+    assert not np.allclose(jax.jit(_penalize)(logits, held, np.array([5], np.int32)), jax.jit(_penalize)(logits, known))
 
 
 def test_min_tokens_suppression_masks_the_ids():

@@ -72,7 +72,7 @@ def schema(index: int) -> dict:
 
 
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool,
-        async_scheduling: bool = True, output_kind: str = "final_only"):
+        async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -86,7 +86,8 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     times = []
     engine.step_observer = times.append
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind[output_kind.upper()])
+                            output_kind=RequestOutputKind[output_kind.upper()],
+                            frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
     for i in range(num_seqs):
         constraint = StructuredOutputsParams(json=schema(i)) if structured else None
         engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=constraint))
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="prompts: the first 32 tokens of each")
     parser.add_argument("--structured", action="store_true", help="a JSON schema per request (see above)")
     parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
+    parser.add_argument("--penalized", action="store_true", help="frequency and presence penalties on every request")
     parser.add_argument("--output-kind", nargs="+", default=["final_only"], choices=["cumulative", "delta", "final_only"],
                         help="what each request's outputs hold (RequestOutputKind); final_only is what LLM.generate "
                              "asks for, cumulative and delta what streams get; several: each in turn")
@@ -149,12 +151,13 @@ def main() -> None:
         label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")
         loaded = None
         label += ", a JSON schema each" if args.structured else ""
+        label += ", penalised" if args.penalized else ""
         for num_seqs in args.num_seqs:
             for kind in args.output_kind:
                 serial_device = None
                 for async_scheduling in (False, True)[args.no_serial:]:
                     times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts,
-                                                       args.structured, async_scheduling, kind)
+                                                       args.structured, async_scheduling, kind, args.penalized)
                     report(f"{label}, {kind} outputs, async scheduling {'on' if async_scheduling else 'off'}",
                            num_seqs, times, wall, startup, serial_device)
                     serial_device = sum(t.device for t in times)

@@ -469,12 +469,13 @@ class LLMEngine:
 
     def _schedules_ahead(self) -> bool:
         """Whether the next step may be scheduled before the current one is read back: not while a
-        running request's next token depends on its last one on the host (penalties, grammars), nor
-        while few enough run to speculate (drafts are proposed from the last token)."""
+        running request's next token depends on its last one on the host (a grammar's mask), nor
+        while few enough run to speculate (drafts are proposed from the last token). Penalties
+        read the last token on the device (sampler.PLACEHOLDER)."""
         running = self.scheduler.running
         spec = self.config.speculative_config
         return self.config.async_scheduling and not (spec and len(running) <= spec.disable_by_batch_size) and not any(
-            r.params.penalizes or r.request_id in self._matchers for r in running)
+            r.request_id in self._matchers for r in running)
 
     def _launch(self) -> _Launched | None:
         started = time.perf_counter()

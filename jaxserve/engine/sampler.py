@@ -24,6 +24,10 @@ from jaxserve.engine.structured_output import mask_width
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 20   # bias entries per row: logit_bias, then suppressed ids
+# In `history`: a penalised row's last token when it is a placeholder (async scheduling: sampled by
+# the step before, not read back yet). `sample` puts the row's input token there, so that such a
+# row's step needs nothing from the host and can be scheduled ahead like any other.
+PLACEHOLDER = -1
 
 
 @struct.dataclass
@@ -38,7 +42,8 @@ class SamplingTensors:
     presence: jax.Array     # [S] float32
     frequency: jax.Array    # [S] float32
     repetition: jax.Array   # [S] float32; 1 = off
-    history: jax.Array      # [S, H] int32: prompt then output token ids, vocab_size = unused
+    history: jax.Array      # [S, H] int32: prompt then output token ids, vocab_size = unused,
+                            # PLACEHOLDER = the last token, whose id only the device has
     num_prompt: jax.Array   # [S] int32: how many of `history` are prompt tokens
     logprobs: jax.Array     # [S] bool: compute the sampled token's logprob and the top ones
     allowed: jax.Array      # [S, ceil(vocab / 32)] int32 bits: token t may be sampled if bit t % 32 of
@@ -62,14 +67,15 @@ def row_seed(seed: int, token_index: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
-def sample(logits: jax.Array, s: SamplingTensors) -> Samples:
-    """logits [S, vocab] float32 -> the sampled tokens and, for rows that ask, their logprobs."""
+def sample(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None = None) -> Samples:
+    """logits [S, vocab] float32 -> the sampled tokens and, for rows that ask, their logprobs.
+    `last_tokens` [S] int32: each row's input token, which replaces PLACEHOLDER in its history."""
     raw = logits
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = jax.lax.cond(jnp.any(s.allowed != -1), _mask, lambda x, _: x, logits, s.allowed)
     logits = logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
     penalizes = jnp.any((s.presence != 0) | (s.frequency != 0) | (s.repetition != 1))
-    logits = jax.lax.cond(penalizes, _penalize, lambda x, _: x, logits, s)
+    logits = jax.lax.cond(penalizes, _penalize, lambda x, *_: x, logits, s, last_tokens)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def random_tokens():
@@ -91,13 +97,16 @@ def _mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _penalize(logits: jax.Array, s: SamplingTensors) -> jax.Array:
+def _penalize(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None = None) -> jax.Array:
     num_rows, vocab = logits.shape
     rows = jnp.arange(num_rows)[:, None]
-    is_output = jnp.arange(s.history.shape[1])[None, :] >= s.num_prompt[:, None]
-    output_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, s.history].add(
+    history = s.history
+    if last_tokens is not None:
+        history = jnp.where(history == PLACEHOLDER, last_tokens[:, None], history)
+    is_output = jnp.arange(history.shape[1])[None, :] >= s.num_prompt[:, None]
+    output_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, history].add(
         is_output.astype(jnp.float32), mode="drop")
-    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, s.history].set(True, mode="drop")
+    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, history].set(True, mode="drop")
     repetition = s.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
     logits = logits - s.frequency[:, None] * output_counts
@@ -207,6 +216,8 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
         num_prompt[i] = len(row.prompt_token_ids)
         history[i, :num_prompt[i]] = row.prompt_token_ids
         history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
+        if row.placeholder:
+            history[i, num_prompt[i] + len(row.output_token_ids)] = PLACEHOLDER
     for i in masked:
         allowed[i] = token_masks[rows[i].request_id]
     return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,

@@ -332,11 +332,12 @@ class Scheduler:
         p = request.params
         penalizes = p.penalizes
         suppress = request.num_output_tokens < p.min_tokens
-        # A placeholder is only ever a decode's one token; its id is read on the device (0 here).
+        # A placeholder is only ever a decode's one token; its id is read on the device (0 here),
+        # and so is its place in a penalised request's history (sampler.PLACEHOLDER).
         placeholder = request.num_placeholders > 0
-        if placeholder and (num_tokens != 1 or penalizes):
-            raise AssertionError(f"{request.request_id}: a placeholder in a {num_tokens}-token chunk"
-                                 f"{' of a penalised request' if penalizes else ''}")
+        if placeholder and (num_tokens != 1 or penalizes and request.num_placeholders > 1):
+            raise AssertionError(f"{request.request_id}: {request.num_placeholders} placeholders in a "
+                                 f"{num_tokens}-token chunk{' of a penalised request' if penalizes else ''}")
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=(0,) if placeholder else (*request.token_slice(start, start + num_tokens), *drafts),

@@ -37,7 +37,7 @@ def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch:
     rows = batch.placeholder_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
     x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention, lora, batch.lora_slots)
-    samples = sample(model.logits(x, batch.logits_index), batch.sampling)
+    samples = sample(model.logits(x, batch.logits_index), batch.sampling, token_ids[batch.logits_index])
     if score:
         prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
     else:
