@@ -159,7 +159,7 @@ class Scheduler:
         copies: dict[str, list[tuple[int, int]]] = {}
         preempted: list[str] = []
         for request in sorted(self.running, key=self.rank):
-            if request not in self.running or request.placeholder_finishes:
+            if request.status is not RequestStatus.RUNNING or request.placeholder_finishes:
                 continue  # preempted to make room for a better-ranked one, or ends when read back
             num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
             if num_tokens == 0:
