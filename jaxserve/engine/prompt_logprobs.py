@@ -2,8 +2,8 @@
 before it, and the most likely tokens there.
 
 Only steps that carry prompt rows pay for it (step.py compiles it into their program alone), and
-the [rows, vocab] logits are made
-`BLOCK_ROWS` rows at a time (`lax.map`), so a long prefill chunk never holds them all at once.
+the [rows, vocab] logits are made `BLOCK_ROWS` rows at a time (`lax.map`), so a long prefill
+chunk never holds them all at once.
 """
 
 from __future__ import annotations
