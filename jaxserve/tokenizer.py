@@ -10,13 +10,14 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-def load_tokenizer(model_path: str | Path):
-    """Return the tokenizer of a `.gguf` file or of an HF model directory."""
+def load_tokenizer(model_path: str | Path, gguf_file=None):
+    """Return the tokenizer of a `.gguf` file or of an HF model directory. `gguf_file`: the GGUF
+    file read already (`checkpoint.gguf.GGUFFile`), so that its metadata is not read again."""
     model_path = Path(model_path)
     if model_path.suffix == ".gguf":
         from jaxserve.checkpoint.gguf import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(model_path)
+        return load_gguf_tokenizer(gguf_file or model_path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

@@ -232,7 +232,7 @@ def test_qwen_gguf_files_read_as_transformers_reads_them(variant, tiny_models, s
     from jaxserve.checkpoint.loader import load_model
     from test_llama import _paged_logits
 
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda *args: None)
     ours = [np.concatenate(_paged_logits(load_model(str(p), "float32"), list(range(3, 30)), [5, 6]))
             for p in (path, directory)]
     np.testing.assert_allclose(ours[0], ours[1], atol=1e-5, rtol=0)
@@ -318,7 +318,7 @@ def _assert_twins(path, directory, monkeypatch, prompt=tuple(range(3, 30)), cont
     from jaxserve.checkpoint.loader import load_model
     from test_llama import _paged_logits
 
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda *args: None)
     models = [load_model(str(p), "float32") for p in (path, directory)]
     tokens_aside = [dataclasses.replace(m.config, bos_token_id=None, eos_token_ids=()) for m in models]
     assert tokens_aside[0] == tokens_aside[1]
@@ -349,7 +349,7 @@ def test_q8_0_experts_are_served_as_they_are_stored(tiny_models, tmp_path, monke
     directory, _ = tiny_models("qwen3_moe")
     config = json.loads((directory / "config.json").read_text())
     path = _write_moe_gguf(tmp_path / "q8.gguf", directory, "qwen3moe", config, Q.Q8_0)
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda *args: None)
     native, dequantised = load_model(str(path), "float32"), load_model(str(path), "float32", quantization="none")
     assert {native.formats[f"layers/{p}_experts"].name for p in ("gate", "up", "down")} == {"Q8_0"}
     assert not dequantised.formats

@@ -113,7 +113,7 @@ def test_gguf_blocks_equal_gguf_dequantisation(qtype, tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_native_gguf_logits_equal_dequantise_at_load(qtype, tmp_path, monkeypatch):
-    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda path: None)   # the file has none
+    monkeypatch.setattr("jaxserve.checkpoint.loader.load_tokenizer", lambda *args: None)   # the file has none
     path = str(_write_gguf(tmp_path / "tiny.gguf", _hf_weights(), matrix_type=qtype))
     native, floats = load_model(path, "float32", quantization="auto"), load_model(path, "float32", quantization="none")
     assert {f.name for f in native.formats.values()} == {qtype.name} and not floats.formats

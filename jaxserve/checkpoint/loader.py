@@ -63,14 +63,15 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def read_checkpoint(path: Path, native: bool = False) -> tuple[dict[str, Any], Any, dict[str, WeightFormat]]:
+def read_checkpoint(path: Path, native: bool = False,
+                    gguf_file=None) -> tuple[dict[str, Any], Any, dict[str, WeightFormat]]:
     """(HF config dict, iterator of (HF name, numpy tensor or QuantizedTensor), the formats of the
     weights that stay quantized) for a GGUF file or an HF directory. With `native`, quantized
-    tensors the engine computes with stay quantized."""
+    tensors the engine computes with stay quantized. `gguf_file`: the GGUF file read already."""
     if path.suffix == ".gguf":
         from jaxserve.checkpoint.gguf import load_gguf
 
-        checkpoint = load_gguf(path, native=native)
+        checkpoint = load_gguf(gguf_file or path, native=native)
         tensors = list(split_fused(checkpoint.tensors.items(), ModelConfig.from_hf(checkpoint.config)))
         return checkpoint.config, tensors, checkpoint_formats(tensors)
     from jaxserve.checkpoint.hf import iter_safetensors, read_hf_config
@@ -127,6 +128,7 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
     check_quantization(quantization)
     path = resolve_model_path(model)
     dtype = resolve_dtype(dtype_name)
+    gguf_file = None
     if orbax.is_converted(path):
         from jaxserve.checkpoint.hf import read_hf_config
 
@@ -143,7 +145,11 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
                         for p, s in expected.items()}   # restored straight into the shards
         values = orbax.restore_params(path, expected)
     else:
-        hf_config, tensors, native = read_checkpoint(path, native=quantization == "auto")
+        if path.suffix == ".gguf":   # read once, for the weights and the tokenizer
+            from jaxserve.checkpoint.gguf import GGUFFile
+
+            gguf_file = GGUFFile(path)
+        hf_config, tensors, native = read_checkpoint(path, quantization == "auto", gguf_file)
         config = ModelConfig.from_hf(hf_config)
         formats = weight_formats(quantization, config, native)
         graphdef, abstract = abstract_model(config, dtype, formats, mesh)
@@ -154,7 +160,8 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
     else:
         values = {p: jnp.asarray(v) for p, v in values.items()}
     params = with_values(abstract, values)
-    loaded = LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path), path, dtype, mesh, formats)
+    loaded = LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path, gguf_file), path, dtype, mesh,
+                         formats)
     log.info("loaded %s: %d layers, %s, %s; %.1f MiB of weights on the device", path, config.num_layers,
              jnp.dtype(dtype).name, _describe(formats), loaded.weight_bytes / 2**20)
     return loaded
