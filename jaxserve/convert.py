@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jaxserve.checkpoint import orbax
-from jaxserve.checkpoint.loader import expected_params, read_checkpoint, resolve_model_path, weight_formats
+from jaxserve.checkpoint.loader import (expected_params, open_gguf, read_checkpoint, resolve_model_path,
+                                       weight_formats)
 from jaxserve.checkpoint.weight_maps import map_hf_weights
 from jaxserve.config import ModelConfig
 from jaxserve.models.llama import abstract_model
@@ -36,7 +37,8 @@ def convert(source: str, out_dir: str | Path, dtype: str = "float32", quantizati
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output directory {str(out)!r} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    hf_config, tensors, native = read_checkpoint(path, native=quantization == "auto")
+    gguf_file = open_gguf(path)
+    hf_config, tensors, native = read_checkpoint(path, quantization == "auto", gguf_file)
     config = ModelConfig.from_hf(hf_config)
     formats = weight_formats(quantization, config, native)
     _, abstract = abstract_model(config, jnp.dtype(dtype), formats)
@@ -45,7 +47,7 @@ def convert(source: str, out_dir: str | Path, dtype: str = "float32", quantizati
     flat = map_hf_weights(tensors, shapes, jnp.dtype(dtype), formats)
     orbax.save_params(out, flat, dtype, formats)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    load_tokenizer(path).save_pretrained(out)
+    load_tokenizer(path, gguf_file).save_pretrained(out)
     return out
 
 

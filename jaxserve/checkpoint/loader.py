@@ -63,6 +63,16 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def open_gguf(path: Path):
+    """A `.gguf` file's metadata and tensor index read (0.7-0.8 s for the embedded model), to give
+    to both `read_checkpoint` and `load_tokenizer`; None for other formats."""
+    if path.suffix != ".gguf":
+        return None
+    from jaxserve.checkpoint.gguf import GGUFFile
+
+    return GGUFFile(path)
+
+
 def read_checkpoint(path: Path, native: bool = False,
                     gguf_file=None) -> tuple[dict[str, Any], Any, dict[str, WeightFormat]]:
     """(HF config dict, iterator of (HF name, numpy tensor or QuantizedTensor), the formats of the
@@ -128,7 +138,7 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
     check_quantization(quantization)
     path = resolve_model_path(model)
     dtype = resolve_dtype(dtype_name)
-    gguf_file = None
+    gguf_file = open_gguf(path)   # read once, for the weights and the tokenizer
     if orbax.is_converted(path):
         from jaxserve.checkpoint.hf import read_hf_config
 
@@ -145,10 +155,6 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
                         for p, s in expected.items()}   # restored straight into the shards
         values = orbax.restore_params(path, expected)
     else:
-        if path.suffix == ".gguf":   # read once, for the weights and the tokenizer
-            from jaxserve.checkpoint.gguf import GGUFFile
-
-            gguf_file = GGUFFile(path)
         hf_config, tensors, native = read_checkpoint(path, quantization == "auto", gguf_file)
         config = ModelConfig.from_hf(hf_config)
         formats = weight_formats(quantization, config, native)
