@@ -1,6 +1,7 @@
 """Several processes as one engine: the leader-follower protocol, and two `jaxserve.serve`
 processes with 4 host devices each serving one 2x4 or 1x8 mesh."""
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -214,15 +215,40 @@ def test_bad_process_settings_are_named(bad, message):
         EngineConfig(**bad)
 
 
-def _serve_command(directory, port: int, coordinator: str, process_id: int, cache: str, keys,
-                   adapter) -> list[str]:
-    return [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags(SMALL_ENGINE),
-            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a0={adapter}",
-            "--mesh", "2x4", "--coordinator-address", coordinator, "--num-processes", "2",
-            "--distributed-key-dir", str(keys),
-            "--process-id", str(process_id), "--port", str(port), "--compile-cache-dir", cache,
+def _lora_and_draft_flags(directory, adapter) -> list[str]:
+    return ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a0={adapter}",
             "--speculative-config", json.dumps({"model": str(directory), "num_speculative_tokens": 3,
                                                 "disable_by_batch_size": 1})]
+
+
+@contextlib.contextmanager
+def _two_processes(directory, flags: list[str], mesh: str, tmp_path, keys):
+    """Two `jaxserve.serve` processes serving `directory` on one `mesh`, their output in
+    tmp_path/process{0,1}.txt: yields (process 0's URL, the processes); both are gone after."""
+    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+    cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
+    logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *flags, "--mesh", mesh,
+         "--coordinator-address", coordinator, "--num-processes", "2", "--distributed-key-dir", str(keys),
+         "--process-id", str(i), "--port", str(port), "--compile-cache-dir", cache],
+        stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        yield f"http://127.0.0.1:{port}", processes
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        for log in logs:
+            log.close()
+
+
+def _finished_tokens(engine: LLMEngine) -> dict[str, list[int]]:
+    """Steps `engine` until it is idle: each finished request's first sample's tokens."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return finished
 
 
 def _greedy_tokens(url: str, prompt: str | list[int], max_tokens: int = 8, **extra) -> list[int]:
@@ -252,17 +278,10 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     ids.append(engine.add_request(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
     ids.append(engine.add_request(COPY[:9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                   lora_request=adapter))
-    expected = {}
-    while engine.has_unfinished_requests():
-        expected.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    expected = _finished_tokens(engine)
 
-    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
-    cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
-    logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
-    processes = [subprocess.Popen(_serve_command(directory, port, coordinator, i, cache, keys, adapter.lora_path),
-                                  stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
-    url = f"http://127.0.0.1:{port}"
-    try:
+    flags = [*cli_flags(SMALL_ENGINE), *_lora_and_draft_flags(directory, adapter.lora_path)]
+    with _two_processes(directory, flags, "2x4", tmp_path, keys) as (url, processes):
         wait_until_healthy(url, processes[0], timeout=600)
         assert [_greedy_tokens(url, p) for p in PROMPTS] + [
             _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS),
@@ -284,12 +303,6 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
         assert processes[0].wait(timeout=30) == 1
         assert time.monotonic() - killed < 30
         assert "follower process 1 went away" in (tmp_path / "process0.txt").read_text()
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-        for log in logs:
-            log.close()
 
 
 @pytest.mark.slow
@@ -304,24 +317,7 @@ def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, 
     directory, _ = tiny_models(variant)
     engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE, **settings))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
-    expected = {}
-    while engine.has_unfinished_requests():
-        expected.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-
-    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
-    cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
-    logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
-    processes = [subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.serve", "--model", str(directory), *cli_flags({**SMALL_ENGINE, **settings}),
-         "--mesh", mesh, "--coordinator-address", coordinator, "--num-processes", "2",
-         "--distributed-key-dir", str(keys), "--process-id", str(i), "--port", str(port), "--compile-cache-dir", cache],
-        stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
-    url = f"http://127.0.0.1:{port}"
-    try:
+    expected = _finished_tokens(engine)
+    with _two_processes(directory, cli_flags({**SMALL_ENGINE, **settings}), mesh, tmp_path, keys) as (url, processes):
         wait_until_healthy(url, processes[0], timeout=600)
         assert [_greedy_tokens(url, p) for p in PROMPTS] == [expected[i] for i in ids]
-    finally:
-        for process in processes:
-            process.kill()
-        for log in logs:
-            log.close()
