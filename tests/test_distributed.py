@@ -221,11 +221,28 @@ def _lora_and_draft_flags(directory, adapter) -> list[str]:
                                                 "disable_by_batch_size": 1})]
 
 
+def _coordinator_port(avoid: int) -> int:
+    """A free port whose next one, the leader's control channel (`distributed.control_address`),
+    is free too, neither being `avoid`: two ports taken one after the other are often neighbours,
+    and a run failed with the HTTP port on the control channel's."""
+    while True:
+        port = free_port()
+        if avoid in (port, port + 1):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 @contextlib.contextmanager
 def _two_processes(directory, flags: list[str], mesh: str, tmp_path, keys):
     """Two `jaxserve.serve` processes serving `directory` on one `mesh`, their output in
     tmp_path/process{0,1}.txt: yields (process 0's URL, the processes); both are gone after."""
-    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+    port = free_port()
+    coordinator = f"127.0.0.1:{_coordinator_port(avoid=port)}"
     cache = jax.config.jax_compilation_cache_dir or str(tmp_path / "cache")
     logs = [open(tmp_path / f"process{i}.txt", "w") for i in range(2)]
     processes = [subprocess.Popen(
