@@ -1,15 +1,22 @@
-"""Keeps freed host memory in the process, so XLA's per-step buffers do not page-fault every step.
+"""Host memory settings for a process that serves: freed memory stays mapped, and the garbage
+collector leaves the start-up heap alone.
 
 XLA on CPU allocates each step's temporaries with malloc. glibc serves big blocks with fresh
 mmap()s and hands freed memory straight back to the kernel, so every step page-faults and
 zeroes its working set again; on SmolLM2 that was a third of a decode step. Serving from the
 heap and never trimming it keeps those pages mapped. Linux/glibc only; elsewhere a no-op.
+
+Once the engine is up, the process holds ~600k Python objects (modules, tokenizer, traced
+programs) that live as long as it does, and each full collection of the oldest generation walked
+them all: a 0.52-0.56 s pause in the middle of serving (tiny model, 256 sequences), against
+0.03-0.05 s with them frozen. vLLM freezes its start-up heap too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import sys
 
 _M_TRIM_THRESHOLD = -1
@@ -28,3 +35,10 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return all([mallopt(_M_MMAP_MAX, 0), mallopt(_M_TRIM_THRESHOLD, 2**31 - 1), mallopt(_M_TOP_PAD, 64 << 20)])
+
+
+def freeze_startup_heap() -> None:
+    """Moves every object alive now out of the collector's reach for good: call it once, when the
+    process is done starting and serves from here on (it is not for a process that builds and
+    drops engines, whose frozen objects would never be collected)."""
+    gc.freeze()

@@ -27,6 +27,7 @@ from jaxserve import compile_cache, distributed
 from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              PIPELINE_ADVICE, EngineConfig, SpeculativeConfig, parse_mesh, parse_size)
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.host_memory import freeze_startup_heap
 from jaxserve.server.config import LOG_LEVELS, ServerConfig, model_name
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.sharding import ensure_devices
@@ -266,6 +267,7 @@ def _build_engine(config: EngineConfig, leader: "distributed.Leader | None", ser
     if leader is not None:
         leader.wait_for_followers(FOLLOWER_TIMEOUT_S, _fingerprint(engine))
     register_static(engine, server)   # a bad --lora-modules adapter fails the start
+    freeze_startup_heap()
     return engine
 
 
@@ -275,6 +277,7 @@ def _follow(config: EngineConfig) -> int:
 
     keys = _keys(config)
     engine = LLMEngine(config)
+    freeze_startup_heap()
     return distributed.follow(engine.replay, distributed.control_address(config.coordinator_address),
                               config.process_id, FOLLOWER_TIMEOUT_S, _fingerprint(engine), keys)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import json
 import statistics
 import tempfile
@@ -72,9 +73,11 @@ def schema(index: int) -> dict:
 
 
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool,
-        async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False):
+        async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False,
+        freeze: bool = True):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
+    from jaxserve.host_memory import freeze_startup_heap
     from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=512,
@@ -83,6 +86,9 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     started = time.perf_counter()
     engine = LLMEngine(config, model=loaded)
     startup = time.perf_counter() - started
+    if freeze:
+        freeze_startup_heap()   # as a server does once started
+    pauses = _GCPauses()
     times = []
     engine.step_observer = times.append
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True,
@@ -92,12 +98,32 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
         constraint = StructuredOutputsParams(json=schema(i)) if structured else None
         engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=constraint))
     started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return times, time.perf_counter() - started, startup, engine.model
+    gc.callbacks.append(pauses)
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        gc.callbacks.remove(pauses)
+        gc.unfreeze()   # the next run's engine replaces this one: the collector may take it
+    return times, time.perf_counter() - started, startup, engine.model, pauses
 
 
-def report(label: str, num_seqs: int, times, wall: float, startup: float, serial_device: float | None) -> None:
+class _GCPauses:
+    """The garbage collector's pauses during a run (a `gc.callbacks` entry)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self._started)
+
+
+def report(label: str, num_seqs: int, times, wall: float, startup: float, serial_device: float | None,
+           pauses: _GCPauses) -> None:
     """`serial_device`: the seconds the host waited for the device with async scheduling off, the
     device's busy time; with it on, the rest of the wall time is the device's idle time."""
     by_kind = collections.defaultdict(list)
@@ -111,7 +137,8 @@ def report(label: str, num_seqs: int, times, wall: float, startup: float, serial
     else:
         idle = f"device idle ~{max(0.0, 1 - serial_device / wall):.1%} of wall time (busy as in the serial run)"
     print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s, {tokens / wall:.1f} decode "
-          f"tok/s (start-up {startup:.1f} s); {idle}")
+          f"tok/s (start-up {startup:.1f} s); {idle}; garbage collector: {len(pauses.seconds)} pauses, "
+          f"{sum(pauses.seconds) * 1e3:.0f} ms in all, the longest {max(pauses.seconds, default=0) * 1e3:.0f} ms")
     print(f"  {'kind':8} {'steps':>6} {'seqs':>6} {'schedule':>9} {'masks':>9} {'prepare':>9} {'update':>9} "
           f"{'outputs':>9} {'host':>9} {'device':>9}   (medians, ms)")
     for kind in ("prefill", "mixed", "decode"):
@@ -127,6 +154,31 @@ def report(label: str, num_seqs: int, times, wall: float, startup: float, serial
               f"{med('device'):9.2f}")
 
 
+def scheduler_only(num_seqs: int, prompts: list[list[int]], steps: int = 300) -> None:
+    """The scheduler alone, no model: `schedule` and `update` of `num_seqs` decoding requests, each
+    sampling token 5 at every step (serial steps, no placeholders)."""
+    from jaxserve.engine.page_allocator import PageAllocator
+    from jaxserve.engine.request import Request
+    from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+    from jaxserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.7, max_tokens=steps + 2, ignore_eos=True)
+    scheduler = Scheduler(SchedulerConfig(num_seqs, max(512, num_seqs * 2), 32), PageAllocator(num_seqs * 40, 16))
+    for i in range(num_seqs):
+        scheduler.add(Request(f"r{i}", prompts[i % len(prompts)], params, seed=i, max_total_tokens=1024))
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        output = scheduler.schedule()
+        scheduled = time.perf_counter()
+        scheduler.update(output, {s.request_id: (5,) for s in output.sequences})
+        times.append((scheduled - started, time.perf_counter() - scheduled))
+    decodes = times[steps // 4:]   # after the prompts
+    print(f"scheduler alone, {num_seqs} decoding sequences: schedule "
+          f"{statistics.median(t for t, _ in decodes) * 1e3:.3f} ms, update "
+          f"{statistics.median(t for _, t in decodes) * 1e3:.3f} ms a step (medians of {len(decodes)} steps)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
@@ -140,12 +192,19 @@ def main() -> None:
     parser.add_argument("--output-kind", nargs="+", default=["final_only"], choices=["cumulative", "delta", "final_only"],
                         help="what each request's outputs hold (RequestOutputKind); final_only is what LLM.generate "
                              "asks for, cumulative and delta what streams get; several: each in turn")
+    parser.add_argument("--unfrozen", action="store_true",
+                        help="each run again without freezing the start-up heap (host_memory.freeze_startup_heap)")
+    parser.add_argument("--scheduler-only", action="store_true", help="time the scheduler alone, no model")
     args = parser.parse_args()
 
     from jaxserve.host_memory import keep_freed_memory
 
     keep_freed_memory()
     prompts = [r["prompt_token_ids"][:32] for r in read_workload(args.workload, None)]
+    if args.scheduler_only:
+        for num_seqs in args.num_seqs:
+            scheduler_only(num_seqs, prompts)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp))) if args.tiny else args.model
         label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")
@@ -156,10 +215,13 @@ def main() -> None:
             for kind in args.output_kind:
                 serial_device = None
                 for async_scheduling in (False, True)[args.no_serial:]:
-                    times, wall, startup, loaded = run(model, loaded, num_seqs, args.output_tokens, prompts,
-                                                       args.structured, async_scheduling, kind, args.penalized)
-                    report(f"{label}, {kind} outputs, async scheduling {'on' if async_scheduling else 'off'}",
-                           num_seqs, times, wall, startup, serial_device)
+                    for freeze in (True, False)[:1 + args.unfrozen]:
+                        times, wall, startup, loaded, pauses = run(
+                            model, loaded, num_seqs, args.output_tokens, prompts, args.structured, async_scheduling,
+                            kind, args.penalized, freeze)
+                        report(f"{label}, {kind} outputs, async scheduling {'on' if async_scheduling else 'off'}"
+                               f"{'' if freeze else ', start-up heap not frozen'}",
+                               num_seqs, times, wall, startup, serial_device, pauses)
                     serial_device = sum(t.device for t in times)
 
 
