@@ -13,7 +13,11 @@ ignored, greedy); all are queued at once, so `--num-seqs` of them run together. 
 their final output only, as `LLM.generate`'s do (`--output-kind cumulative delta` for what
 streams ask for: an output at every step). With
 `--structured` each request also has a JSON schema of its own (a string field named after it), and
-the `masks` column shows the host time llguidance spends filling the allowed-token masks.
+the `masks` column shows the host time llguidance spends filling the allowed-token masks;
+`--structured 8`: every 8th request only (steps are serial while a constrained request runs:
+its grammar needs its last token on the host). `--scheduler-only`: `schedule` and `update` alone, no model. Each
+run reports the garbage collector's pauses; the start-up heap is frozen as a server's is
+(`--unfrozen`: each run again without).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def schema(index: int) -> dict:
     return {"type": "object", "properties": {f"note_{index}": {"type": "string"}}, "required": [f"note_{index}"]}
 
 
-def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: bool,
+def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: int,
         async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False,
         freeze: bool = True):
     from jaxserve.config import EngineConfig
@@ -95,7 +99,7 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
                             output_kind=RequestOutputKind[output_kind.upper()],
                             frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
     for i in range(num_seqs):
-        constraint = StructuredOutputsParams(json=schema(i)) if structured else None
+        constraint = StructuredOutputsParams(json=schema(i)) if structured and i % structured == 0 else None
         engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=constraint))
     started = time.perf_counter()
     gc.callbacks.append(pauses)
@@ -186,7 +190,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="prompts: the first 32 tokens of each")
-    parser.add_argument("--structured", action="store_true", help="a JSON schema per request (see above)")
+    parser.add_argument("--structured", type=int, nargs="?", const=1, default=0, metavar="K",
+                        help="a JSON schema for every K-th request, by default every one (see above)")
     parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
     parser.add_argument("--penalized", action="store_true", help="frequency and presence penalties on every request")
     parser.add_argument("--output-kind", nargs="+", default=["final_only"], choices=["cumulative", "delta", "final_only"],
@@ -209,7 +214,7 @@ def main() -> None:
         model = str(write_tiny_model(Path(tmp))) if args.tiny else args.model
         label = "tiny random model" if args.tiny else (model or "embedded SmolLM2")
         loaded = None
-        label += ", a JSON schema each" if args.structured else ""
+        label += f", a JSON schema for 1 request in {args.structured}" if args.structured else ""
         label += ", penalised" if args.penalized else ""
         for num_seqs in args.num_seqs:
             for kind in args.output_kind:
