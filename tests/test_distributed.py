@@ -325,12 +325,14 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, mesh, settings", [
     ("qwen3_moe", "1x8", {}), ("gemma2", "2x4", {}),
-    ("llama", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"})])
+    ("llama", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"}),
+    ("llama", "4x2", {"quantization": "int4", "kv_cache_dtype": "fp8"})])
 def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, tmp_path, keys):
     """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
     1x8 mesh, four in each process (expert parallelism across processes); Gemma 2's windowed and
     soft-capped layers with a data slice in each process; int8 weights and KV pages (their scales
-    split and sent like the values)."""
+    split and sent like the values); int4 weights (packed nibbles, group scales and minimums)
+    with fp8 KV pages, four data slices and two model shards."""
     directory, _ = tiny_models(variant)
     engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE, **settings))
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
