@@ -9,7 +9,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import Beam, BeamSearch, BeamSearchParams, candidates, check_length, round_params
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output import RequestOutput
-from jaxserve.host_memory import freeze_startup_heap
 from jaxserve.lora_request import LoRARequest
 from jaxserve.progress import progress_bar
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -23,7 +22,6 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config),
                                 progress=progress_bar("compiling") if show_progress else None)
         self.tokenizer = self.engine.tokenizer
-        freeze_startup_heap()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
