@@ -11,13 +11,12 @@ host's share shows. Each size runs with async scheduling off, then on (`--no-ser
 Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
 ignored, greedy); all are queued at once, so `--num-seqs` of them run together. Requests ask for
 their final output only, as `LLM.generate`'s do (`--output-kind cumulative delta` for what
-streams ask for: an output at every step). With
-`--structured` each request also has a JSON schema of its own (a string field named after it), and
-the `masks` column shows the host time llguidance spends filling the allowed-token masks;
-`--structured 8`: every 8th request only (steps are serial while a constrained request runs:
-its grammar needs its last token on the host). `--scheduler-only`: `schedule` and `update` alone, no model. Each
-run reports the garbage collector's pauses; the start-up heap is frozen as a server's is
-(`--unfrozen`: each run again without).
+streams ask for: an output at every step). With `--structured` each request also has a JSON
+schema of its own (a string field named after it), and the `masks` column shows the host time
+llguidance spends filling the allowed-token masks; `--structured 8`: every 8th request only
+(steps are serial while a constrained request runs: its grammar needs its last token on the host).
+Each run reports the garbage collector's pauses; the start-up heap is frozen as a server's is
+(`--unfrozen`: each run again without). `--scheduler-only`: `schedule` and `update` alone, no model.
 """
 
 from __future__ import annotations
