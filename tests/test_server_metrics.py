@@ -8,6 +8,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxserve.engine.async_engine import RequestStream
 from server_fixtures import serving, tiny_engine  # noqa: F401 - fixture
 
 NAMES = {
@@ -84,6 +85,28 @@ def test_counters_and_histograms_move(server, tiny_engine):
     # token and its 4 decodes, over the 7 steps.
     assert moved("jaxserve:iteration_tokens_total_count") == 7
     assert moved("jaxserve:iteration_tokens_total_sum") == prompt_len + 9
+
+
+def test_a_reply_sent_whole_has_one_output_and_its_steps_are_still_measured(server, monkeypatch):
+    """A reply sent whole asks for the final output only (no output built at each step); the
+    engine's progress_observer still gives the metrics each step, as a stream's outputs do."""
+    outputs = []
+    put = RequestStream.put
+    monkeypatch.setattr(RequestStream, "put", lambda stream, output, when: (outputs.append(output.finished),
+                                                                             put(stream, output, when)))
+    for stream in (False, True):
+        outputs.clear()
+        before = scrape(server)
+        body = {"prompt": "Count me", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": stream}
+        reply = requests.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 200
+        after = scrape(server)
+        assert outputs == ([False] * 4 if stream else []) + [True]
+        moved = {name: value(after, f"jaxserve:{name}") - value(before, f"jaxserve:{name}") for name in (
+            "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+            "request_generation_tokens_sum")}
+        assert moved == {"generation_tokens_total": 5, "time_to_first_token_seconds_count": 1,
+                         "inter_token_latency_seconds_count": 4, "request_generation_tokens_sum": 5}
 
 
 def test_cache_config_info(server, tiny_engine):

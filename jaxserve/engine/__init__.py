@@ -43,7 +43,8 @@
         matcher.consume_token() moves each constrained sample's grammar on; a complete grammar
                                ends the sample (stop), a dead end fails its request
         SampleText.add()       extends each sample's text; stop strings end it
-    -> RequestOutput per request that moved; `step_observer`, if set, gets the step's StepTimes
+    -> RequestOutput per request that moved (a final-only one: when it finishes; `progress_observer`,
+       if set, hears its token counts meanwhile); `step_observer`, if set, gets the step's StepTimes
 
 On a mesh with D data slices, `SlicedScheduler` (data_slices.py) holds one Scheduler and
 PageAllocator per slice, each on its own part of the pool, and places each new request on the

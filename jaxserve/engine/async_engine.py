@@ -82,7 +82,7 @@ class RequestObserver(Protocol):
 
 
 class RequestStream:
-    """The outputs of one request, each cumulative; iterate with `async for`.
+    """The outputs of one request, as its `output_kind` asks; iterate with `async for`.
 
     `close()` (also on leaving `async with`) aborts the request if it has not finished.
     """
@@ -103,26 +103,33 @@ class RequestStream:
 
     def put(self, output: RequestOutput, when: float) -> None:
         self.finished = output.finished
-        self._observe(output, when)
+        if self._observer is not None:
+            self._observe(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs), when)
+            if output.finished:
+                reasons = ["error"] * self.num_samples if output.error else [
+                    o.finish_reason or "abort" for o in output.outputs]
+                self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, output,
+                                                        self.lora_name))
         self._queue.put_nowait(output)
 
-    def _observe(self, output: RequestOutput, when: float) -> None:
-        if self._observer is None:
-            return
-        total = sum(len(o.token_ids) for o in output.outputs)
+    def progress(self, num_prompt_tokens: int, num_output_tokens: int, when: float) -> None:
+        """A step that moved the request without an output for it (`LLMEngine.progress_observer`)."""
+        if self._observer is not None:
+            self._observe(num_prompt_tokens, num_output_tokens, when)
+
+    def _observe(self, num_prompt_tokens: int, total: int, when: float) -> None:
+        """`total`: the output tokens so far (a best_of request's final output holds only the n best:
+        fewer than its steps made, and nothing is taken back)."""
         if self._num_tokens is None:
-            self._observer.prompt_tokens(len(output.prompt_token_ids))
+            self._observer.prompt_tokens(num_prompt_tokens)
             if total:
                 self._observer.first_token(when - self._arrival)
                 self._observer.new_tokens(total, None)
         elif total > self._num_tokens:
             self._observer.new_tokens(total - self._num_tokens, when - self._last)
+        else:
+            return
         self._num_tokens, self._last = total, when
-        if output.finished:
-            reasons = ["error"] * self.num_samples if output.error else [
-                o.finish_reason or "abort" for o in output.outputs]
-            self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, output,
-                                                    self.lora_name))
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -166,6 +173,7 @@ class AsyncEngine:
         self.stats = EngineStats()
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._progress: dict[str, tuple[int, int]] = {}   # the engine thread's, for the step it runs
         self._streams: dict[str, RequestStream] = {}
         self._pending = 0           # sequences sent to the thread, not yet in `stats`
         self._ids = 0
@@ -337,8 +345,13 @@ class AsyncEngine:
             stream.put(RequestOutput(request_id, None, [], [], True, message), time.monotonic())
             self._forget(request_id)
 
-    def _on_outputs(self, outputs: list[RequestOutput], when: float, stats: EngineStats) -> None:
+    def _on_outputs(self, outputs: list[RequestOutput], when: float, stats: EngineStats,
+                    progress: dict[str, tuple[int, int]] | None = None) -> None:
         self.stats = stats
+        for request_id, counts in (progress or {}).items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.progress(*counts, when)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -356,8 +369,9 @@ class AsyncEngine:
             self._post(self._on_built, error)
             return
         self._post(self._on_built, None)
-        if self.observer is not None:   # the engine's step hook now feeds this server's metrics
+        if self.observer is not None:   # the engine's step hooks now feed this server's metrics
             self.engine.step_observer = lambda times: self.observer.iteration_tokens(times.num_tokens)
+            self.engine.progress_observer = lambda counts: self._progress.update(counts)
         live: set[str] = set()
         try:
             while self._handle_commands(live, block=not live):
@@ -418,7 +432,8 @@ class AsyncEngine:
         for output in outputs:
             if output.finished:
                 live.discard(output.request_id)
-        self._post(self._on_outputs, outputs, time.monotonic(), self.engine.stats())
+        progress, self._progress = self._progress, {}
+        self._post(self._on_outputs, outputs, time.monotonic(), self.engine.stats(), progress)
 
     def _fail_all(self, live: set[str], message: str) -> list[RequestOutput]:
         failed = []

@@ -225,6 +225,10 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self.step_observer: Callable[[StepTimes], None] | None = None   # told each step's StepTimes
+        # Told, once per step read back, {request id: (prompt tokens, output tokens so far)} of the
+        # requests that moved without an output (final-only, best_of): a server's latency metrics
+        # see each of their steps without an output built for it.
+        self.progress_observer: Callable[[dict[str, tuple[int, int]]], None] | None = None
         self._in_flight: _Launched | None = None   # async scheduling: the step launched, not read back
         log.info("KV pool: %d x %d pages of %d tokens = %d tokens (%.2f GiB, %s), from %s", num_slices, pages - 1,
                  config.page_size, num_slices * (pages - 1) * config.page_size, num_slices * pages
@@ -562,7 +566,7 @@ class LLMEngine:
                  logprobs: dict[str, tuple[TokenLogprob, ...]]) -> list[RequestOutput]:
         """Each sample's new tokens (several after confirmed drafts) through its grammar and text, in
         order; a stop string ends the sample at the token that completes it, and drops the rest."""
-        results = []
+        results, progress = [], {}
         for request_id, group in list(self._groups.items()):
             touched = False
             for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
@@ -594,6 +598,11 @@ class LLMEngine:
                 results.append(group.output(request_id))
                 if group.finished:
                     del self._groups[request_id]
+            elif touched and self.progress_observer is not None:
+                progress[request_id] = (len(group.prompt_token_ids),
+                                        sum(len(s.output_token_ids) for s in group.samples))
+        if progress:
+            self.progress_observer(progress)
         return results
 
     def _stop_at(self, sample: Request, num_after: int) -> None:

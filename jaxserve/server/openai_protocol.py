@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.request import FinishReason   # "error" never reaches a body: a failed request is an error reply
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import (
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, RequestOutputKind, SamplingParams, StructuredOutputsParams)
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -100,7 +101,9 @@ class SamplingFields(_Request):
             logit_bias=token_bias(self.logit_bias or {}, vocab_size),
             logprobs=self.num_logprobs(), best_of=self.samples_to_rank(), structured_outputs=self.constraint(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.num_prompt_logprobs())
+            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.num_prompt_logprobs(),
+            # a reply sent whole needs no output at every step (the metrics still see each step)
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY)
 
     def constraints(self) -> dict[str, StructuredOutputsParams]:
         """The structured-output constraints the body gives, by the field that gives each."""
