@@ -155,6 +155,13 @@ async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]
 
 async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) from all streams, as they come."""
+    if len(streams) == 1:   # one prompt (every chat request): read it without a task per output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            close_all(streams)
+        return
     pending = {asyncio.ensure_future(anext(s, None)): i for i, s in enumerate(streams)}
     try:
         while pending:
