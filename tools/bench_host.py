@@ -17,11 +17,16 @@ llguidance spends filling the allowed-token masks; `--structured 8`: every 8th r
 (steps are serial while a constrained request runs: its grammar needs its last token on the host).
 Each run reports the garbage collector's pauses; the start-up heap is frozen as a server's is
 (`--unfrozen`: each run again without). `--scheduler-only`: `schedule` and `update` alone, no model.
+`--server`: the requests go through `AsyncEngine` with the server's metrics, and each is read as the
+server reads a reply: a final-only one (a reply sent whole) awaits its output, a cumulative or
+delta one (a stream) goes through `serving.merged` and `TextDeltas` on the event loop, which takes
+its share of the one interpreter lock (figures: README, "output_kind").
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import dataclasses
 import gc
@@ -77,7 +82,7 @@ def schema(index: int) -> dict:
 
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: int,
         async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False,
-        freeze: bool = True):
+        freeze: bool = True, server: bool = False):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.host_memory import freeze_startup_heap
@@ -97,18 +102,55 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind[output_kind.upper()],
                             frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
-    for i in range(num_seqs):
-        constraint = StructuredOutputsParams(json=schema(i)) if structured and i % structured == 0 else None
-        engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=constraint))
+    requests = [(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
+        json=schema(i)) if structured and i % structured == 0 else None)) for i in range(num_seqs)]
     started = time.perf_counter()
     gc.callbacks.append(pauses)
     try:
-        while engine.has_unfinished_requests():
-            engine.step()
+        if server:
+            started = asyncio.run(_serve(engine, requests, times))
+        else:
+            for prompt, request_params in requests:
+                engine.add_request(prompt, request_params)
+            started = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()   # the next run's engine replaces this one: the collector may take it
     return times, time.perf_counter() - started, startup, engine.model, pauses
+
+
+async def _serve(engine, requests: list, times: list) -> float:
+    """The requests through `AsyncEngine`, the server's metrics its observer, each read as the server
+    reads it: a final-only one awaits its output, a stream goes through `merged` and `TextDeltas`.
+    Returns when they were sent (perf_counter)."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.sampling_params import RequestOutputKind
+    from jaxserve.server.metrics import Metrics
+    from jaxserve.server.serving import TextDeltas, admit, final_outputs, merged
+
+    served = AsyncEngine(engine, observer=Metrics("bench", lambda: served.stats))
+    await served.start()
+    await served.wait_ready()
+
+    def observe(engine):   # on the engine thread, after it set its own hook: both are told
+        metrics = engine.step_observer
+        engine.step_observer = lambda step: (times.append(step), metrics(step))
+    await served.call(observe)
+
+    async def one(i, prompt, params):
+        streams = await admit(served, [prompt], params, f"bench-{i}")
+        if params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return await final_outputs(streams)
+        deltas = TextDeltas(1)
+        async for _, output in merged(streams):
+            deltas.updates(0, output)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i, *request) for i, request in enumerate(requests)))
+    await served.stop()
+    return started
 
 
 class _GCPauses:
@@ -199,6 +241,8 @@ def main() -> None:
     parser.add_argument("--unfrozen", action="store_true",
                         help="each run again without freezing the start-up heap (host_memory.freeze_startup_heap)")
     parser.add_argument("--scheduler-only", action="store_true", help="time the scheduler alone, no model")
+    parser.add_argument("--server", action="store_true", help="through AsyncEngine, read as the server reads "
+                                                              "replies (see above)")
     args = parser.parse_args()
 
     from jaxserve.host_memory import keep_freed_memory
@@ -222,8 +266,9 @@ def main() -> None:
                     for freeze in (True, False)[:1 + args.unfrozen]:
                         times, wall, startup, loaded, pauses = run(
                             model, loaded, num_seqs, args.output_tokens, prompts, args.structured, async_scheduling,
-                            kind, args.penalized, freeze)
-                        report(f"{label}, {kind} outputs, async scheduling {'on' if async_scheduling else 'off'}"
+                            kind, args.penalized, freeze, args.server)
+                        report(f"{label}, {kind} outputs{', through AsyncEngine' if args.server else ''}, "
+                               f"async scheduling {'on' if async_scheduling else 'off'}"
                                f"{'' if freeze else ', start-up heap not frozen'}",
                                num_seqs, times, wall, startup, serial_device, pauses)
                     serial_device = sum(t.device for t in times)
