@@ -1,6 +1,7 @@
 """AsyncEngine: the engine thread, per-request streams, abort, failures, queue limit, drain."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from jaxserve.engine.async_engine import (
     AsyncEngine, EngineState, EngineUnavailableError, QueueFullError, RequestFailedError)
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from server_fixtures import pool_is_full, tiny_engine  # noqa: F401 - fixture
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -76,6 +77,25 @@ def test_stream_is_cumulative_and_matches_a_synchronous_run(tiny_engine):
     assert all(a == b[:len(a)] for a, b in zip(tokens, tokens[1:])), "each output extends the previous"
     assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
     assert outputs[-1].outputs[0].text == expected.outputs[0].text
+    assert pool_is_full(tiny_engine)
+
+
+def test_a_consumer_behind_gets_the_latest_cumulative_output_and_every_delta(tiny_engine):
+    expected = sync_generate(tiny_engine, "The sea is", GREEDY).outputs[0]
+
+    async def scenario(engine):
+        cumulative = await engine.add_request("The sea is", GREEDY)
+        delta = await engine.add_request("The sea is", dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA))
+        while not (cumulative.finished and delta.finished):   # nothing read until both have finished
+            await asyncio.sleep(0.01)
+        return await collect(cumulative), await collect(delta)
+
+    cumulative, deltas = run(tiny_engine, scenario)
+    assert [o.finished for o in cumulative] == [True]
+    assert (cumulative[0].outputs[0].token_ids, cumulative[0].outputs[0].text) == (expected.token_ids, expected.text)
+    assert len(deltas) == len(expected.token_ids)   # one token a step
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == expected.token_ids
+    assert "".join(o.outputs[0].text for o in deltas) == expected.text
     assert pool_is_full(tiny_engine)
 
 

@@ -27,7 +27,7 @@ from jaxserve.engine.engine import EngineStats, LLMEngine
 from jaxserve.engine.output import RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora_request import LoRARequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,7 +82,8 @@ class RequestObserver(Protocol):
 
 
 class RequestStream:
-    """The outputs of one request, as its `output_kind` asks; iterate with `async for`.
+    """The outputs of one request, as its `output_kind` asks; iterate with `async for`. Of the
+    cumulative outputs waiting when it is read, only the latest comes (deltas all come).
 
     `close()` (also on leaving `async with`) aborts the request if it has not finished.
     """
@@ -93,6 +94,7 @@ class RequestStream:
         self.params = params
         self.lora_name = lora_name
         self.num_samples = params.n
+        self._cumulative = params.output_kind == RequestOutputKind.CUMULATIVE
         self.finished = False
         self._abort = abort
         self._observer = observer
@@ -138,6 +140,10 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         output = await self._queue.get()
+        # A consumer that fell behind (a slow client, a busy event loop) gets the latest of the
+        # cumulative outputs waiting, which holds all the others: its work per step stays bounded.
+        while self._cumulative and not output.finished and not self._queue.empty():
+            output = self._queue.get_nowait()
         self._done = output.finished
         if output.error:
             raise RequestFailedError(output.error, output.error_param)
