@@ -18,7 +18,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import logging
 import sys
+
+log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -43,3 +46,4 @@ def freeze_startup_heap() -> None:
     process is done starting and serves from here on (it is not for a process that builds and
     drops engines, whose frozen objects would never be collected)."""
     gc.freeze()
+    log.info("start-up heap frozen: %d objects the garbage collector no longer walks", gc.get_freeze_count())

@@ -320,6 +320,8 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
         assert processes[0].wait(timeout=30) == 1
         assert time.monotonic() - killed < 30
         assert "follower process 1 went away" in (tmp_path / "process0.txt").read_text()
+    for i in range(2):   # each process froze its start-up heap (host_memory) once it was serving
+        assert re.search(r"start-up heap frozen: [1-9]\d{5,} objects", (tmp_path / f"process{i}.txt").read_text())
 
 
 @pytest.mark.slow
