@@ -104,7 +104,6 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
                             frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
     requests = [(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
         json=schema(i)) if structured and i % structured == 0 else None)) for i in range(num_seqs)]
-    started = time.perf_counter()
     gc.callbacks.append(pauses)
     try:
         if server:
