@@ -99,6 +99,35 @@ def test_a_consumer_behind_gets_the_latest_cumulative_output_and_every_delta(tin
     assert pool_is_full(tiny_engine)
 
 
+class _Recorder:
+    """A RequestObserver that keeps what it is told."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, args))
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_the_observer_hears_every_token_once_whatever_the_output_kind(tiny_engine, kind):
+    recorder = _Recorder()
+    prompt = tiny_engine.tokenizer.encode("The sea is", add_special_tokens=False)
+
+    async def scenario(engine):
+        return await collect(await engine.add_request(prompt, dataclasses.replace(GREEDY, output_kind=kind)))
+
+    run(tiny_engine, scenario, observer=recorder)
+    heard = {}
+    for name, args in recorder.calls:
+        heard.setdefault(name, []).append(args)
+    assert heard["prompt_tokens"] == [(len(prompt),)]
+    assert len(heard["first_token"]) == 1 and len(heard["finished"]) == 1
+    new_tokens = heard["new_tokens"]
+    assert [count for count, _ in new_tokens] == [1] * 12   # one token a step, each heard once
+    assert new_tokens[0][1] is None and all(gap > 0 for _, gap in new_tokens[1:])
+
+
 def test_n_samples_share_one_stream(tiny_engine):
     async def scenario(engine):
         return await collect(await engine.add_request("Once", SamplingParams(n=3, max_tokens=5, seed=7)))

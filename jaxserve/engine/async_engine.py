@@ -106,7 +106,10 @@ class RequestStream:
     def put(self, output: RequestOutput, when: float) -> None:
         self.finished = output.finished
         if self._observer is not None:
-            self._observe(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs), when)
+            total = sum(len(o.token_ids) for o in output.outputs)
+            if self.params.output_kind == RequestOutputKind.DELTA:   # it holds the new tokens only
+                total += self._num_tokens or 0
+            self._observe(len(output.prompt_token_ids), total, when)
             if output.finished:
                 reasons = ["error"] * self.num_samples if output.error else [
                     o.finish_reason or "abort" for o in output.outputs]
