@@ -1,5 +1,5 @@
 """Several processes as one engine: the leader-follower protocol, and two `jaxserve.serve`
-processes with 4 host devices each serving one 2x4 or 1x8 mesh."""
+processes serving one mesh (2x4, 4x2 or 1x8: 4 host devices each; 1x2: one each)."""
 
 import contextlib
 import dataclasses
@@ -324,21 +324,61 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
         assert re.search(r"start-up heap frozen: [1-9]\d{5,} objects", (tmp_path / f"process{i}.txt").read_text())
 
 
+def _native_gguf(tiny_models, path):
+    """The tiny Llama as llama.cpp writes a quantized file: Q4_1 matrices, a Q8_0 embedding, and
+    the embedded SmolLM2's tokenizer (the tiny models' vocabulary), so that a server can load it."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.numpy import load_file
+
+    from jaxserve.checkpoint.default_model import default_model_path
+    from test_checkpoint_gguf import _FAMILY_NAMES, _close, _family_writer, _gguf_family_name, _to_gguf_rows
+
+    directory, _ = tiny_models("llama")
+    config = json.loads((directory / "config.json").read_text())
+    writer = _family_writer(path, "llama", config)
+    for key, field in gguf.GGUFReader(default_model_path()).fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name, w in load_file(directory / "model.safetensors").items():
+        w = w.astype(np.float32)
+        module = name.split(".")[-2]
+        if module in heads:
+            w = _to_gguf_rows(w, heads[module])
+        qtype = Q.F32 if w.ndim == 1 else Q.Q8_0 if module == "embed_tokens" else Q.Q4_1
+        writer.add_tensor(_gguf_family_name(name, _FAMILY_NAMES), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    return _close(writer, path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, mesh, settings", [
     ("qwen3_moe", "1x8", {}), ("gemma2", "2x4", {}),
     ("llama", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"}),
-    ("llama", "4x2", {"quantization": "int4", "kv_cache_dtype": "fp8"})])
+    ("llama", "4x2", {"quantization": "int4", "kv_cache_dtype": "fp8"}),
+    ("mistral_window", "2x4", {"quantization": "fp8"}),
+    ("llama.gguf", "1x2", {})])
 def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, tmp_path, keys):
     """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
     1x8 mesh, four in each process (expert parallelism across processes); Gemma 2's windowed and
     soft-capped layers with a data slice in each process; int8 weights and KV pages (their scales
     split and sent like the values); int4 weights (packed nibbles, group scales and minimums)
-    with fp8 KV pages, four data slices and two model shards."""
-    directory, _ = tiny_models(variant)
+    with fp8 KV pages, four data slices and two model shards; Mistral's sliding window (its pages
+    released early) with fp8 weights; a GGUF file's own Q4_1 and Q8_0 blocks, each matrix split
+    between the two processes."""
+    if variant == "llama.gguf":
+        directory = _native_gguf(tiny_models, tmp_path / variant)
+    else:
+        directory, _ = tiny_models(variant)
     engine = LLMEngine(EngineConfig(model=str(directory), **SMALL_ENGINE, **settings))
+    formats = sorted({f.name for f in engine.model.formats.values()})
+    if variant == "llama.gguf":
+        assert formats == ["Q4_1", "Q8_0"]
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in PROMPTS]
     expected = _finished_tokens(engine)
     with _two_processes(directory, cli_flags({**SMALL_ENGINE, **settings}), mesh, tmp_path, keys) as (url, processes):
         wait_until_healthy(url, processes[0], timeout=600)
         assert [_greedy_tokens(url, p) for p in PROMPTS] == [expected[i] for i in ids]
+    for i in range(2):   # each process loaded the weights in the formats the one process had
+        assert not formats or f"quantized weights ({', '.join(formats)})" in (tmp_path / f"process{i}.txt").read_text()
