@@ -354,14 +354,15 @@ def _native_gguf(tiny_models, path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, mesh, settings", [
-    ("qwen3_moe", "1x8", {}), ("gemma2", "2x4", {}),
+    ("qwen3_moe", "1x8", {}), ("qwen2_moe", "2x4", {}), ("gemma2", "2x4", {}),
     ("phi3", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"}),
     ("llama", "4x2", {"quantization": "int4", "kv_cache_dtype": "fp8"}),
     ("mistral_window", "2x4", {"quantization": "fp8"}),
     ("llama.gguf", "1x2", {})])
 def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, tmp_path, keys):
     """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
-    1x8 mesh, four in each process (expert parallelism across processes); Gemma 2's windowed and
+    1x8 mesh, four in each process (expert parallelism across processes); Qwen2-MoE's 4 experts
+    over a model axis of 4 beside its sigmoid-gated shared expert; Gemma 2's windowed and
     soft-capped layers with a data slice in each process; Phi-3's LongRoPE with int8 weights and
     KV pages (their scales split and sent like the values); int4 weights (packed nibbles, group
     scales and minimums) with fp8 KV pages, four data slices and two model shards; Mistral's
