@@ -58,7 +58,7 @@ def _quantized_stack(w: jnp.ndarray, fmt) -> tuple[ExpertStack, np.ndarray]:
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("method, tokens", [("ragged", 20), ("tiled", 20), ("tiled", 3)])   # 3: gathered
+@pytest.mark.parametrize("method, tokens", [("ragged", 20), ("tiled", 20), ("tiled", 3)])   # 3: per pair
 def test_quantized_experts_equal_their_dequantised_weights(quantization, method, tokens):
     x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(4), tokens, 64, 64, 8, 2)
     stacks, floats = zip(*(_quantized_stack(w, AT_LOAD[quantization]) for w in (gate, up, down)))
@@ -70,7 +70,7 @@ def test_quantized_experts_equal_their_dequantised_weights(quantization, method,
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_batch():
     x, weights, ids, gate, up, down = _random_moe(np.random.default_rng(1), 32, 16, 8, 8, 3)
     whole = routed_experts(x, weights, ids, gate, up, down)
-    for rows in (np.array([3, 17, 30]), np.array([5, 6])):   # tiled, and gathered (6 pairs, 8 experts)
+    for rows in (np.array([3, 17, 30]), np.array([5, 6])):   # tiled, and per pair (6 pairs, 8 experts)
         alone = routed_experts(x[rows], weights[rows], ids[rows], gate, up, down)
         np.testing.assert_allclose(alone, whole[rows], atol=1e-6, rtol=0)
 
