@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import PLACEHOLDER, _penalize, row_seed, sample, sampling_tensors
+from jaxserve.engine.sampler import PLACEHOLDER, _penalize, argmax, row_seed, sample, sampling_tensors
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -38,6 +38,17 @@ def draw(params: SamplingParams, num_draws: int, probs=PROBS, token_index=0):
 def test_greedy_is_argmax():
     logits = np.random.default_rng(0).normal(size=(5, 300)).astype(np.float32)
     assert (sample_jit(logits, [row(SamplingParams(temperature=0))] * 5) == logits.argmax(-1)).all()
+
+
+def test_argmax_is_numpys_first_largest_index():
+    rng = np.random.default_rng(7)
+    values = rng.integers(-3, 4, size=(64, 300)).astype(np.float32)   # many ties for the largest
+    values[1] = -np.inf                                               # every token masked: index 0
+    values[2, [5, 9]] = np.inf
+    values[3] = rng.normal(size=300)
+    np.testing.assert_array_equal(jax.jit(argmax)(values), values.argmax(-1))
+    values[4, 11] = np.nan   # a row with a NaN still gets a token in range (`finite` flags it)
+    assert 0 <= int(jax.jit(argmax)(values)[4]) < 300
 
 
 def test_temperature_one_follows_the_distribution():
