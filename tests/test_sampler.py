@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import PLACEHOLDER, _penalize, argmax, row_seed, sample, sampling_tensors
+from jaxserve.engine.sampler import (PLACEHOLDER, _penalize, argmax, gumbel_noise, row_seed, sample,
+                                    sampling_tensors)
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -54,6 +55,28 @@ def test_argmax_is_numpys_first_largest_index():
 def test_temperature_one_follows_the_distribution():
     counts = np.bincount(draw(SamplingParams(temperature=1.0), 4000), minlength=4) / 4000
     np.testing.assert_allclose(counts, PROBS, atol=0.03)
+
+
+def test_temperature_one_follows_the_distribution_across_a_large_vocabulary():
+    probs = np.zeros(4096, np.float32)
+    likely = [3, 1000, 2047, 4095]
+    probs[likely] = [0.4, 0.3, 0.2, 0.1]
+    with np.errstate(divide="ignore"):   # log(0) = -inf: never sampled
+        tokens = draw(SamplingParams(temperature=1.0), 3000, probs=probs)
+    assert set(tokens.tolist()) <= set(likely)
+    np.testing.assert_allclose(np.bincount(tokens, minlength=4096)[likely] / 3000, probs[likely], atol=0.03)
+
+
+def test_gumbel_noise_is_standard_gumbel_and_depends_only_on_the_seed():
+    seeds = np.array([row_seed(s, i) for s in range(8) for i in range(8)], np.uint32)
+    noise = np.asarray(jax.jit(gumbel_noise, static_argnums=1)(seeds, 49152), np.float64)
+    # 3.1M draws: the bounds are 7 or more standard errors wide
+    assert abs(noise.mean() - np.euler_gamma) < 0.005 and abs(noise.var() - np.pi**2 / 6) < 0.02
+    assert abs((noise < 0).mean() - np.exp(-1)) < 0.002   # P(G < 0) = exp(-exp(0))
+    correlations = np.corrcoef(noise[:16])[~np.eye(16, dtype=bool)]   # rows of other seeds
+    assert np.abs(correlations).max() < 0.025
+    assert abs(np.corrcoef(noise[:, :-1].ravel(), noise[:, 1:].ravel())[0, 1]) < 0.005   # neighbouring tokens
+    np.testing.assert_array_equal(gumbel_noise(seeds[[5, 2]], 49152), noise[[5, 2]].astype(np.float32))
 
 
 @pytest.mark.parametrize("params, allowed", [

@@ -82,13 +82,31 @@ def sample(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None 
         scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
         truncates = jnp.any((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
         scaled = jax.lax.cond(truncates, _truncate, lambda x, _: x, scaled, s)
-        noise = jax.vmap(lambda seed: jax.random.gumbel(jax.random.PRNGKey(seed), (logits.shape[-1],)))(s.seed)
-        return argmax(scaled + noise)
+        return argmax(scaled + gumbel_noise(s.seed, logits.shape[-1]))
 
     sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
     tokens = jnp.where(s.temperature == 0, greedy, sampled)
     samples = jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
     return samples.replace(finite=jnp.all(jnp.isfinite(raw), axis=-1))
+
+
+def gumbel_noise(seeds: jax.Array, vocab: int) -> jax.Array:
+    """seeds [S] uint32 -> [S, vocab] float32 standard Gumbel noise: token t's is -log(-log u), u
+    from a hash of (seed, t), so a row's noise depends only on its seed. The hash, two rounds of a
+    32-bit finaliser (lowbias32) with the seed mixed in before and between them, replaces
+    jax.random's threefry, whose bits cost most of a step on a CPU: sampling 256 rows of 49,152
+    tokens took 137 ms with threefry's noise and 30 ms with this."""
+    seed = seeds.astype(jnp.uint32)[:, None]
+    bits = _mix(_mix(jnp.arange(vocab, dtype=jnp.uint32)[None, :] ^ _mix(seed)) + seed)
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))   # 24 bits, in (0, 1)
+    return -jnp.log(-jnp.log(u))
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """lowbias32 (Wellons' hash prospector): a bijection of uint32 with near-ideal avalanche."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
 
 
 def argmax(values: jax.Array) -> jax.Array:
