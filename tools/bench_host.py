@@ -82,7 +82,7 @@ def schema(index: int) -> dict:
 
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: int,
         async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False,
-        freeze: bool = True, server: bool = False, temperature: float = 0.0):
+        freeze: bool = True, server: bool = False, temperature: float = 0.0, top_p: float = 1.0):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.host_memory import freeze_startup_heap
@@ -99,7 +99,7 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     pauses = _GCPauses()
     times = []
     engine.step_observer = times.append
-    params = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True,
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind[output_kind.upper()],
                             frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
     requests = [(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
@@ -235,6 +235,7 @@ def main() -> None:
     parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
     parser.add_argument("--penalized", action="store_true", help="frequency and presence penalties on every request")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's (default 1: off)")
     parser.add_argument("--output-kind", nargs="+", default=["final_only"], choices=["cumulative", "delta", "final_only"],
                         help="what each request's outputs hold (RequestOutputKind); final_only is what LLM.generate "
                              "asks for, cumulative and delta what streams get; several: each in turn")
@@ -260,6 +261,7 @@ def main() -> None:
         label += f", a JSON schema for 1 request in {args.structured}" if args.structured else ""
         label += ", penalised" if args.penalized else ""
         label += f", temperature {args.temperature}" if args.temperature else ""
+        label += f", top_p {args.top_p}" if args.top_p < 1 else ""
         for num_seqs in args.num_seqs:
             for kind in args.output_kind:
                 serial_device = None
@@ -267,7 +269,7 @@ def main() -> None:
                     for freeze in (True, False)[:1 + args.unfrozen]:
                         times, wall, startup, loaded, pauses = run(
                             model, loaded, num_seqs, args.output_tokens, prompts, args.structured, async_scheduling,
-                            kind, args.penalized, freeze, args.server, args.temperature)
+                            kind, args.penalized, freeze, args.server, args.temperature, args.top_p)
                         report(f"{label}, {kind} outputs{', through AsyncEngine' if args.server else ''}, "
                                f"async scheduling {'on' if async_scheduling else 'off'}"
                                f"{'' if freeze else ', start-up heap not frozen'}",
