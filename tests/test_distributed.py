@@ -366,8 +366,8 @@ def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, 
     soft-capped layers with a data slice in each process; Phi-3's LongRoPE with int8 weights and
     KV pages (their scales split and sent like the values); int4 weights (packed nibbles, group
     scales and minimums) with fp8 KV pages, four data slices and two model shards; Mistral's
-    sliding window (12 tokens, shorter than prompt and reply) with fp8 weights; a GGUF file's own Q4_1 and Q8_0
-    blocks, each matrix split between the two processes."""
+    sliding window (12 tokens, shorter than prompt and reply) with fp8 weights; a GGUF file's own
+    Q4_1 and Q8_0 blocks, each matrix split between the two processes."""
     if variant == "llama.gguf":
         directory = _native_gguf(tiny_models, tmp_path / variant)
     else:
