@@ -201,7 +201,7 @@ def _candidate_thresholds(scaled: jax.Array, s: SamplingTensors) -> tuple[jax.Ar
     largest = top[:, :1]
     mass = jnp.sum(jnp.exp(scaled - largest) * (scaled >= top_k_threshold[:, None]), axis=-1, keepdims=True)
     reached = jnp.cumsum(jnp.exp(top - largest) * (top >= top_k_threshold[:, None]) / mass, axis=-1) >= s.top_p[:, None]
-    first = jnp.min(jnp.where(reached, jnp.arange(width), width), axis=-1)
+    first = _first(reached)
     top_p_threshold = jnp.where(s.top_p >= 1, -jnp.inf,
                                 jnp.take_along_axis(top, jnp.minimum(first, width - 1)[:, None], axis=-1)[:, 0])
     min_p_threshold = jnp.where(s.min_p > 0, largest[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-38)), -jnp.inf)
