@@ -70,7 +70,7 @@ class QuantizedTensor:
 
     def ours(self, vocab_major: bool = False) -> dict[str, np.ndarray]:
         """The device layout: parts `[in, out]` (`[out, in]` when `vocab_major`), nibbles packed by
-        halves of `in` (see linear.py)."""
+        pairs of rows of `in` (`pack_uint4`)."""
         parts = {"value": self.value.T, "scale": self.scale.T}
         if self.fmt.kind == "uint4":
             parts["value"] = pack_uint4(parts["value"])
@@ -82,14 +82,18 @@ class QuantizedTensor:
 
 
 def pack_uint4(q: np.ndarray) -> np.ndarray:
-    """[in, out] values 0..15 -> [in / 2, out] uint8: row i low, row i + in/2 high."""
-    half = q.shape[0] // 2
-    return (q[:half].astype(np.uint8) | (q[half:].astype(np.uint8) << 4)).astype(np.uint8)
+    """[in, out] values 0..15 -> [in / 2, out] uint8: row 2i in the low nibble of row i, row 2i + 1
+    in its high one. Both rows of a byte are in one quantization group (groups have an even size),
+    and in one shard of any even split of `in` over a mesh: packed by halves of `in` instead, a
+    row-parallel weight's nibbles and its input lay in different shards, and every layer moved
+    them between devices (10 collective permutes per layer on a 4x2 mesh)."""
+    return (q[0::2].astype(np.uint8) | (q[1::2].astype(np.uint8) << 4)).astype(np.uint8)
 
 
 def unpack_uint4(packed: np.ndarray) -> np.ndarray:
     """Inverse of `pack_uint4`: [in / 2, out] -> [in, out] on the second-to-last axis too for stacks."""
-    return np.concatenate([packed & 0xF, packed >> 4], axis=-2)
+    pairs = np.stack([packed & 0xF, packed >> 4], axis=-2)     # [..., in / 2, 2, out]
+    return pairs.reshape(*packed.shape[:-2], 2 * packed.shape[-2], packed.shape[-1])
 
 
 def quantize(w: np.ndarray, fmt: WeightFormat) -> QuantizedTensor:

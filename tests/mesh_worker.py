@@ -31,9 +31,11 @@ from jaxserve.sharding import KV_POOL_SPEC, mesh_from_config, sharding_for  # no
 PAGE_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 37, 16
 
 
-def paged_logits(model, kv_cache_dtype: str = "auto") -> np.ndarray:
-    """[2, PROMPT's last position + DECODE_STEPS, vocab]: two prompts decoded greedily through
-    scattered pages, one in the first data slice and one in the last."""
+def paged_logits(model, kv_cache_dtype: str = "auto") -> tuple[np.ndarray, int]:
+    """([2, PROMPT's last position + DECODE_STEPS, vocab], layer permutes): two prompts decoded
+    greedily through scattered pages, one in the first data slice and one in the last; then the
+    collective permutes in the step's loop over layers, data moved between devices in every layer
+    (4-bit weights packed by halves of their rows once needed 10)."""
     runner = Runner(model, pages_per_slice=64, page_size=PAGE_SIZE, max_model_len=128, max_num_seqs=4,
                     max_num_batched_tokens=128, prefill_segment=16, kv_chunk_tokens=8, kv_cache_dtype=kv_cache_dtype)
     pages = np.random.default_rng(0).permutation(np.arange(1, 64)).tolist()
@@ -51,7 +53,9 @@ def paged_logits(model, kv_cache_dtype: str = "auto") -> np.ndarray:
         for name in tables:
             rows[name].append(logits[name])
             tokens[name].append(int(np.argmax(logits[name])))
-    return np.stack([np.stack(rows[name]) for name in tables])
+    hlo = runner._lower(runner.buckets[0]).compile().as_text().splitlines()
+    permutes = sum("collective-permute(" in line and "while/body" in line for line in hlo)
+    return np.stack([np.stack(rows[name]) for name in tables]), permutes
 
 
 def misplaced(model, kv_cache_dtype: str = "auto") -> list[str]:
@@ -130,7 +134,7 @@ def main(model_dir: str, out: str, meshes: str, with_engine: bool, quantization:
     results = {}
     for mesh in meshes.split(","):
         model = load_model(None if model_dir == "-" else model_dir, "float32", mesh_from_config(mesh), quantization)
-        results[f"logits_{mesh}"] = paged_logits(model, kv_cache_dtype)
+        results[f"logits_{mesh}"], results[f"layer_permutes_{mesh}"] = paged_logits(model, kv_cache_dtype)
         results[f"heads_{mesh}"] = np.array([model.config.num_heads, model.config.num_kv_heads])
         results[f"misplaced_{mesh}"] = np.array(misplaced(model, kv_cache_dtype))
         results[f"formats_{mesh}"] = np.array(sorted(f.name for f in model.formats.values()))

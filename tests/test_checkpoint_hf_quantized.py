@@ -137,10 +137,9 @@ def test_compressed_tensors_checkpoints_give_transformers_logits(variant, scheme
     model, ours = _logits(quantized)
     kind = {"w8": "int8", "w4": "uint4", "fp": "fp8"}[scheme[:2]]
     assert {f.kind for f in model.formats.values()} == {kind}
-    # qwen3's o_proj has 4 x 24 inputs: three groups of 32, which our 4-bit halves cannot split, so
-    # it is dequantised at load (logged); qwen2's biases stay float beside their quantized weights.
-    odd = {"layers/o_proj"} if variant == "qwen3" else set()
-    assert set(model.formats) == {f"layers/{p}" for p in PROJECTIONS} - odd
+    # qwen3's o_proj has 4 x 24 inputs: an odd number of groups (three of 32), whose nibbles pack by
+    # pairs of rows all the same; qwen2's biases stay float beside their quantized weights.
+    assert set(model.formats) == {f"layers/{p}" for p in PROJECTIONS}
     oracle = transformers.AutoModelForCausalLM.from_pretrained(quantized).eval()
     with torch.no_grad():
         reference = oracle(torch.tensor([PROMPT + CONTINUATION])).logits[0].numpy()

@@ -34,6 +34,20 @@ def test_an_int8_mixture_of_experts_round_trips(tiny_models, tmp_path):
     assert_same_params(original, converted)
 
 
+def test_int4_round_trips_and_a_version_1_int4_directory_is_refused(tiny_models, tmp_path):
+    """Version 1 packed 4-bit values by halves of the rows: read by pairs they are other weights."""
+    source = tiny_models("llama")[0]
+    assert main([str(source), str(tmp_path / "out"), "--quantization", "int4"]) == 0
+    original = load_model(str(source), "float32", quantization="int4")
+    converted = load_model(str(tmp_path / "out"), "float32")
+    assert converted.formats == original.formats and {f.kind for f in converted.formats.values()} == {"uint4"}
+    assert_same_params(original, converted)
+    marker = tmp_path / "out" / "jaxserve.json"
+    marker.write_text(marker.read_text().replace('"version": 2', '"version": 1'))
+    with pytest.raises(ValueError, match="convert the source checkpoint again"):
+        load_model(str(tmp_path / "out"), "float32")
+
+
 def test_bfloat16_checkpoint_restores_in_the_engine_dtype(tiny_models, tmp_path):
     main([str(tiny_models("llama")[0]), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
     model = load_model(str(tmp_path / "bf16"), "float32")

@@ -60,13 +60,15 @@ def test_int4_is_asymmetric_in_groups_of_32():
     assert np.abs(qt.dequantized() - w).max() <= scale.max() / 2 + 1e-5
 
 
-def test_nibbles_pack_by_halves_and_unpack():
+def test_nibbles_pack_by_pairs_of_rows_and_unpack():
     q = np.random.default_rng(0).integers(0, 16, (64, 5)).astype(np.uint8)
     packed = pack_uint4(q)
     assert packed.shape == (32, 5)
-    np.testing.assert_array_equal(packed & 0xF, q[:32])
-    np.testing.assert_array_equal(packed >> 4, q[32:])
+    np.testing.assert_array_equal(packed & 0xF, q[0::2])
+    np.testing.assert_array_equal(packed >> 4, q[1::2])
     np.testing.assert_array_equal(unpack_uint4(packed), q)
+    stack = np.stack([q, q[::-1]])   # [layers, in, out]
+    np.testing.assert_array_equal(unpack_uint4(np.stack([pack_uint4(w) for w in stack])), stack)
 
 
 def _device_weight(qt, vocab_major=False):
@@ -163,8 +165,11 @@ def test_bad_settings_are_named():
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp16' is not one of"):
         EngineConfig(kv_cache_dtype="fp16")
-    with pytest.raises(ValueError, match="do not split into 64-row blocks"):
-        WeightFormat("uint4", 32, name="int4").check("layers/down_proj", 96)
+    WeightFormat("uint4", 32, name="int4").check("layers/down_proj", 96)   # three groups: pairs stay in one
+    with pytest.raises(ValueError, match="do not split into 32-row blocks"):
+        WeightFormat("uint4", 32, name="int4").check("layers/down_proj", 80)
+    with pytest.raises(ValueError, match="groups 5 rows; 4-bit groups need an even number"):
+        WeightFormat("uint4", 5, name="int4").check("layers/down_proj", 80)
 
 
 def test_zero_heads_added_to_a_packed_o_proj_keep_its_values():

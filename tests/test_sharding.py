@@ -150,6 +150,7 @@ def test_quantized_weights_and_kv_cache_agree_across_meshes(quantization, kv_cac
         np.testing.assert_allclose(results[f"logits_{mesh}"], results["logits_1x1"], atol=atol, rtol=0)
         assert results[f"formats_{mesh}"].tolist() == [quantization] * 7
         assert results[f"misplaced_{mesh}"].tolist() == [], "shardings differ from the rule table"
+        assert results[f"layer_permutes_{mesh}"] == 0, "the layers move weights or activations between devices"
 
 
 @pytest.mark.slow

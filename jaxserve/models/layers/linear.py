@@ -53,10 +53,12 @@ class WeightFormat:
     def check(self, name: str, in_features: int) -> None:
         """Raises ValueError when `in_features` does not split into this format's groups."""
         size = self.group_size or in_features
-        halves = 2 if self.kind == "uint4" else 1
-        if in_features % size or (halves == 2 and (in_features // size) % 2):
-            raise ValueError(f"{name}: {in_features} input features do not split into "
-                             f"{halves * size}-row blocks, which {self.name or self.kind} needs")
+        if in_features % size:
+            raise ValueError(f"{name}: {in_features} input features do not split into {size}-row blocks, "
+                             f"which {self.name or self.kind} needs")
+        if self.kind == "uint4" and size % 2:
+            raise ValueError(f"{name}: {self.name or self.kind} groups {size} rows; 4-bit groups need an even "
+                             f"number, the two rows of a byte sharing one group")
 
     def shapes(self, in_features: int, out_features: int) -> dict[str, tuple[tuple[int, ...], object]]:
         """part name -> (shape, dtype)."""
@@ -101,17 +103,22 @@ def _affine(q: jax.Array, scale: jax.Array, minimum: jax.Array | None, dtype, ax
     return w.reshape(q.shape)
 
 
-def _halves(value, scale, minimum, dtype) -> tuple[jax.Array, jax.Array]:
-    """A 4-bit weight's two row halves (one per nibble), dequantised from `[in, out]` parts."""
-    half = scale.shape[0] // 2
-    return (_affine(value & 0xF, scale[:half], minimum[:half], dtype),
-            _affine(value >> 4, scale[half:], minimum[half:], dtype))
+def _nibbles(value, scale, minimum, dtype, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+    """A 4-bit weight's even and odd rows along `axis` (its low and high nibbles), dequantised from
+    its parts: a byte's two rows share one group, so each nibble's groups are the weight's."""
+    return (_affine(value & 0xF, scale, minimum, dtype, axis), _affine(value >> 4, scale, minimum, dtype, axis))
+
+
+def _interleave(even: jax.Array, odd: jax.Array, axis: int) -> jax.Array:
+    shape = list(even.shape)
+    shape[axis] *= 2
+    return jnp.stack([even, odd], axis=axis + 1).reshape(shape)
 
 
 def dequantize_parts(kind: str, value, scale, minimum, dtype) -> jax.Array:
     """`[in, out]` parts -> `[in, out]` of `dtype`."""
     if kind == "uint4":
-        return jnp.concatenate(_halves(value, scale, minimum, dtype))
+        return _interleave(*_nibbles(value, scale, minimum, dtype), axis=0)
     return _affine(value, scale, None, dtype)
 
 
@@ -130,9 +137,9 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
         return _vocab_matmul(x, w)
     value, scale, minimum = w.parts()
     if w.fmt.kind == "uint4":
-        low, high = _halves(value, scale, minimum, x.dtype)
-        rows = low.shape[0]
-        return x[:, :rows] @ low + x[:, rows:] @ high
+        even, odd = _nibbles(value, scale, minimum, x.dtype)
+        pairs = x.reshape(x.shape[0], -1, 2)
+        return pairs[:, :, 0] @ even + pairs[:, :, 1] @ odd
     return x @ dequantize_parts(w.fmt.kind, value, scale, minimum, x.dtype)
 
 
@@ -142,9 +149,7 @@ VOCAB_SLICE = 1024
 def _dequantize_rows(kind: str, value, scale, minimum, dtype) -> jax.Array:
     """Vocab-major parts ([rows, in], groups along `in`) -> [rows, in] of `dtype`."""
     if kind == "uint4":
-        half = scale.shape[1] // 2
-        return jnp.concatenate([_affine(value & 0xF, scale[:, :half], minimum[:, :half], dtype, axis=1),
-                                _affine(value >> 4, scale[:, half:], minimum[:, half:], dtype, axis=1)], axis=1)
+        return _interleave(*_nibbles(value, scale, minimum, dtype, axis=1), axis=1)
     return _affine(value, scale, None, dtype, axis=1)
 
 
