@@ -224,8 +224,9 @@ def test_truncation_still_applies_beside_suppressed_tokens():
 
 @pytest.mark.parametrize("logprobs", [None, 2])
 def test_rows_with_nan_or_inf_logits_are_flagged(logprobs):
-    logits = np.random.default_rng(4).normal(size=(4, 50)).astype(np.float32)
-    logits[1, 7], logits[2, 3] = np.nan, np.inf
-    rows = [row(SamplingParams(temperature=t, seed=1, logprobs=logprobs), seed=1) for t in (0, 0.8, 0, 1.0)]
-    samples = jax.device_get(_sample_jit(logits, tensors(rows, 4, 50)))
-    assert samples.finite.tolist() == [True, False, False, True]
+    logits = np.random.default_rng(4).normal(size=(6, 50)).astype(np.float32) * 1e4
+    logits[1, 7], logits[2, 3], logits[4, 0] = np.nan, np.inf, -np.inf
+    logits[5, 1], logits[5, 2] = np.inf, -np.inf   # together, they sum to NaN
+    rows = [row(SamplingParams(temperature=t, seed=1, logprobs=logprobs), seed=1) for t in (0, 0.8, 0, 1.0, 0, 0.5)]
+    samples = jax.device_get(_sample_jit(logits, tensors(rows, 6, 50)))
+    assert samples.finite.tolist() == [True, False, False, True, False, False]

@@ -87,7 +87,10 @@ def sample(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None 
     sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
     tokens = jnp.where(s.temperature == 0, greedy, sampled)
     samples = jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
-    return samples.replace(finite=jnp.all(jnp.isfinite(raw), axis=-1))
+    # A NaN or an inf anywhere makes the row's sum NaN or inf (finite logits would need to be near 1e34
+    # to overflow it): one reduction, where all(isfinite) first wrote a [S, vocab] bool array
+    # (in a 256-row step of 49,152 logits, 5.9-6.4 ms against ~1.8).
+    return samples.replace(finite=jnp.isfinite(raw.sum(-1)))
 
 
 def gumbel_noise(seeds: jax.Array, vocab: int) -> jax.Array:
