@@ -134,9 +134,13 @@ def test_engine_serves_an_moe_model_batch_invariantly(tiny_models):
     assert len({tuple(t) for t in together}) == 3
 
 
-def test_int8_experts_equal_the_float_model_of_their_dequantised_weights(tiny_models, tmp_path):
-    """`--quantization int8` on an MoE quantizes the experts too: its logits are those of the float
-    model whose projections are replaced, in the checkpoint, by their int8 round trips."""
+# Mixtral's experts are 32 wide: at stop 35 its int4 load was refused (a byte held rows of two
+# groups); bytes now hold pairs of rows of one group.
+@pytest.mark.parametrize("variant, quantization", [("qwen3_moe", "int8"), ("mixtral", "int4")])
+def test_quantized_experts_equal_the_float_model_of_their_dequantised_weights(variant, quantization, tiny_models,
+                                                                               tmp_path):
+    """`--quantization int8|int4` on an MoE quantizes the experts too: its logits are those of the
+    float model whose projections are replaced, in the checkpoint, by their round trips."""
     import re
     import shutil
 
@@ -144,15 +148,18 @@ def test_int8_experts_equal_the_float_model_of_their_dequantised_weights(tiny_mo
 
     from test_llama import _paged_logits
 
-    directory = tiny_models("qwen3_moe")[0]
+    directory = tiny_models(variant)[0]
     shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
     tensors = load_file(directory / "model.safetensors")
-    projection = re.compile(r".*(self_attn\.[qkvo]_proj|experts\.\d+\.(gate|up|down)_proj)\.weight")
-    save_file({name: quantize(w, AT_LOAD["int8"]).dequantized() if projection.match(name) else w
+    projection = re.compile(r".*(self_attn\.[qkvo]_proj|experts\.\d+\.((gate|up|down)_proj|w[123]))\.weight")
+    save_file({name: quantize(w, AT_LOAD[quantization]).dequantized() if projection.match(name) else w
                for name, w in tensors.items()}, tmp_path / "model.safetensors")
-    quantized = load_model(str(directory), "float32", quantization="int8")
+    quantized = load_model(str(directory), "float32", quantization=quantization)
     assert {"layers/gate_experts", "layers/up_experts", "layers/down_experts"} <= set(quantized.formats)
-    assert quantized.params["layers"]["gate_experts"]["value"].shape == (2, 8, 64, 32)   # [layers, experts, in, out]
+    experts = quantized.params["layers"]["gate_experts"]["value"]
+    num_experts = quantized.config.num_experts
+    assert experts.dtype == {"int8": jnp.int8, "int4": jnp.uint8}[quantization]
+    assert experts.shape == {"int8": (2, num_experts, 64, 32), "int4": (2, num_experts, 32, 32)}[quantization]
     reference = load_model(str(tmp_path), "float32", quantization="none")
     prompt = np.random.default_rng(5).integers(0, reference.config.vocab_size, 37).tolist()
     for got, want in zip(_paged_logits(quantized, prompt, prompt[:8]), _paged_logits(reference, prompt, prompt[:8])):
