@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import (PLACEHOLDER, _penalize, argmax, gumbel_noise, row_seed, sample,
-                                    sampling_tensors)
+from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _penalize, _truncate, _truncate_by_bisection,
+                                    argmax, gumbel_noise, row_seed, sample, sampling_tensors)
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -89,6 +89,27 @@ def test_gumbel_noise_is_standard_gumbel_and_depends_only_on_the_seed():
 ])
 def test_truncation_keeps_exactly_the_allowed_tokens(params, allowed):
     assert set(draw(params, 500).tolist()) == allowed
+
+
+def test_thresholds_from_the_candidates_equal_those_by_bisection():
+    rng = np.random.default_rng(8)
+    logits = np.round(rng.normal(size=(24, 5000)) * 2, 1).astype(np.float32)   # rounded: ties
+    logits[:, :30] += np.linspace(12, 4, 30, dtype=np.float32)                 # peaked, as a model's
+    logits[3, 100:140] = -np.inf                                               # masked tokens
+    params = [SamplingParams(temperature=1.0, top_k=int(rng.choice([0, 1, 5, 40, 256])),
+                             top_p=float(rng.choice([1.0, 0.3, 0.9, 0.99])), min_p=float(rng.choice([0, 0.01, 0.2])))
+              for _ in range(24)]
+    st = tensors([row(p) for p in params], 24, 5000)
+    threshold, wider = jax.jit(_candidate_thresholds)(logits, st)
+    assert not np.asarray(wider).any()
+    kept = np.asarray(jax.jit(_truncate_by_bisection)(logits, st)) > -np.inf
+    np.testing.assert_array_equal(logits >= np.asarray(threshold)[:, None], kept)
+    assert len(set(kept.sum(-1).tolist())) > 8                                  # the settings cut variously
+    # A top-k past the candidates, or a top-p they do not reach, goes to bisection.
+    for wide in (SamplingParams(temperature=1.0, top_k=1000), SamplingParams(temperature=1.0, top_p=0.999999)):
+        st = tensors([row(p) for p in params[:5]] + [row(wide)], 6, 5000)
+        assert np.asarray(jax.jit(_candidate_thresholds)(logits[:6], st)[1]).tolist() == [False] * 5 + [True]
+        np.testing.assert_array_equal(jax.jit(_truncate)(logits[:6], st), jax.jit(_truncate_by_bisection)(logits[:6], st))
 
 
 def test_top_p_applies_to_what_top_k_left():

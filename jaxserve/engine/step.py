@@ -24,7 +24,7 @@ def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.Sta
 
 
 def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch: StepInput,
-         score: bool) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
+         score: bool, candidates: bool = True) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
     """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages, sampled).
 
     `sampled` [R] int32 holds the tokens of the step before in its first rows; placeholders read
@@ -33,12 +33,12 @@ def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch:
     batch has prompt rows to score (prompt_logprobs); without it their logprobs are zeros. The
     scoring is a program of its own, not a `lax.cond` branch: few steps need it, and in every
     program it was 11% of the start-up's compile (the 12 shapes of the defaults: 28.5 s with it,
-    25.3 s without)."""
+    25.3 s without). `candidates`: see `sampler.sample`."""
     model = nnx.merge(graphdef, params)
     rows = batch.placeholder_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
     x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention, lora, batch.lora_slots)
-    samples = sample(model.logits(x, batch.logits_index), batch.sampling, token_ids[batch.logits_index])
+    samples = sample(model.logits(x, batch.logits_index), batch.sampling, token_ids[batch.logits_index], candidates)
     if score:
         prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
     else:
@@ -49,11 +49,13 @@ def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch:
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
     """`step(params, kv_pages, sampled, lora, batch, score)` jitted with the pool donated: written
     in place, never copied. On a mesh the samples are replicated, so that every process holds all
-    of them."""
+    of them. A mesh over several processes on CPUs samples without top-k/top-p candidates: XLA's
+    gloo collectives mismatched with them (see `sampler._truncate`)."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
     out_shardings = None if mesh is None else (replicated, replicated, None, replicated)
-    return jax.jit(functools.partial(step, graphdef, attention), donate_argnums=(1,), out_shardings=out_shardings,
-                   static_argnames=("score",))
+    candidates = mesh is None or not (jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu")
+    return jax.jit(functools.partial(step, graphdef, attention, candidates=candidates), donate_argnums=(1,),
+                   out_shardings=out_shardings, static_argnames=("score",))
 
 
 def compile_forward(graphdef, attention):
