@@ -49,13 +49,17 @@ def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch:
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
     """`step(params, kv_pages, sampled, lora, batch, score)` jitted with the pool donated: written
     in place, never copied. On a mesh the samples are replicated, so that every process holds all
-    of them. A mesh over several processes on CPUs samples without top-k/top-p candidates: XLA's
-    gloo collectives mismatched with them (see `sampler._truncate`)."""
+    of them."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
     out_shardings = None if mesh is None else (replicated, replicated, None, replicated)
-    candidates = mesh is None or not (jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu")
-    return jax.jit(functools.partial(step, graphdef, attention, candidates=candidates), donate_argnums=(1,),
-                   out_shardings=out_shardings, static_argnames=("score",))
+    return jax.jit(functools.partial(step, graphdef, attention, candidates=samples_from_candidates(mesh)),
+                   donate_argnums=(1,), out_shardings=out_shardings, static_argnames=("score",))
+
+
+def samples_from_candidates(mesh: Mesh | None) -> bool:
+    """Whether the step's top-k/top-p thresholds come from candidates (see `sampler._truncate`):
+    not on a mesh over several processes on CPUs, whose gloo collectives mismatched with them."""
+    return mesh is None or jax.process_count() == 1 or mesh.devices.flat[0].platform != "cpu"
 
 
 def compile_forward(graphdef, attention):
