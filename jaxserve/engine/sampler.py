@@ -193,7 +193,7 @@ def _truncate(scaled: jax.Array, s: SamplingTensors, candidates: bool = True) ->
 
     Without `candidates`, bisection alone: for several processes on CPUs. With the candidates in
     the step, two processes serving a 4x2 mesh failed in XLA's gloo collectives with a size
-    mismatch ("64 vs 4") in 9 of 22 runs, against none of 39 without them. XLA's gloo
+    mismatch ("64 vs 4") in 9 of 22 runs, against none of 46 without them. XLA's gloo
     communicator gives every collective the same tag, so two in flight at once can pair wrongly;
     which program shape exposes it is not understood, and one process (in-process collectives)
     never failed."""
