@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _penalize, _truncate, _truncate_by_bisection,
-                                    argmax, gumbel_noise, row_seed, sample, sampling_tensors)
+from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _past_candidates, _penalize, _truncate,
+                                    _truncate_by_bisection, argmax, gumbel_noise, row_seed, sample, sampling_tensors)
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -105,11 +105,19 @@ def test_thresholds_from_the_candidates_equal_those_by_bisection():
     kept = np.asarray(jax.jit(_truncate_by_bisection)(logits, st)) > -np.inf
     np.testing.assert_array_equal(logits >= np.asarray(threshold)[:, None], kept)
     assert len(set(kept.sum(-1).tolist())) > 8                                  # the settings cut variously
-    # A top-k past the candidates, or a top-p they do not reach, goes to bisection.
-    for wide in (SamplingParams(temperature=1.0, top_k=1000), SamplingParams(temperature=1.0, top_p=0.999999)):
+    assert not np.asarray(jax.jit(_past_candidates)(logits, st)).any()
+    # A top-k past the candidates, or a top-p they do not reach, goes to bisection; the top-k, and
+    # the top-p of a flat row (its largest probability 256 times over is short of it), before
+    # the candidates are sought.
+    flat = np.zeros((1, 5000), np.float32)
+    for wide, last, past in ((SamplingParams(temperature=1.0, top_k=1000), logits[5:6], True),
+                             (SamplingParams(temperature=1.0, top_p=0.999999), logits[5:6], False),
+                             (SamplingParams(temperature=1.0, top_p=0.9), flat, True)):
+        rows = np.concatenate([logits[:5], last])
         st = tensors([row(p) for p in params[:5]] + [row(wide)], 6, 5000)
-        assert np.asarray(jax.jit(_candidate_thresholds)(logits[:6], st)[1]).tolist() == [False] * 5 + [True]
-        np.testing.assert_array_equal(jax.jit(_truncate)(logits[:6], st), jax.jit(_truncate_by_bisection)(logits[:6], st))
+        assert np.asarray(jax.jit(_candidate_thresholds)(rows, st)[1]).tolist() == [False] * 5 + [True]
+        assert np.asarray(jax.jit(_past_candidates)(rows, st)).tolist() == [False] * 5 + [past]
+        np.testing.assert_array_equal(jax.jit(_truncate)(rows, st), jax.jit(_truncate_by_bisection)(rows, st))
 
 
 def test_top_p_applies_to_what_top_k_left():
