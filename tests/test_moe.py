@@ -134,8 +134,8 @@ def test_engine_serves_an_moe_model_batch_invariantly(tiny_models):
     assert len({tuple(t) for t in together}) == 3
 
 
-# Mixtral's experts are 32 wide: at stop 35 its int4 load was refused (a byte held rows of two
-# groups); bytes now hold pairs of rows of one group.
+# Mixtral's experts are 32 wide: the input of each down projection is a single int4 group, which
+# loads because a byte's two rows (a pair) always sit in one group.
 @pytest.mark.parametrize("variant, quantization", [("qwen3_moe", "int8"), ("mixtral", "int4")])
 def test_quantized_experts_equal_the_float_model_of_their_dequantised_weights(variant, quantization, tiny_models,
                                                                                tmp_path):
