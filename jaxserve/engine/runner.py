@@ -34,10 +34,10 @@ from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.prompt_logprobs import PromptLogprobs
 from jaxserve.engine.rejection_sampler import accepted_length
-from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step
+from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step, over_gloo
 from jaxserve.models.layers.attention import MeshAttention, backend_for
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.models.layers import lora
+from jaxserve.models.layers import float8, lora
 from jaxserve.models.llama import lora_shapes
 from jaxserve.sharding import BATCH_SPEC, pad_lora_heads, sharding_for
 
@@ -153,6 +153,8 @@ class Runner:
         self.model_index = model_index   # in device calls sent to followers: 0 the target, 1 a draft model
         self.attention_backend = resolve_backend(attention_backend)
         self.kv_dtype = kv_pool.resolve_kv_dtype(kv_cache_dtype, model.dtype)
+        if self.attention_backend == "xla" and not over_gloo(model.mesh):   # the kernels read float8 itself
+            self.kv_dtype = float8.stored_dtype(self.kv_dtype)             # fp8 pages as bytes on a CPU
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,

@@ -59,7 +59,14 @@ def compile_step(graphdef, attention, mesh: Mesh | None = None):
 def samples_from_candidates(mesh: Mesh | None) -> bool:
     """Whether the step's top-k/top-p thresholds come from candidates (see `sampler._truncate`):
     not on a mesh over several processes on CPUs, whose gloo collectives mismatched with them."""
-    return mesh is None or jax.process_count() == 1 or mesh.devices.flat[0].platform != "cpu"
+    return not over_gloo(mesh)
+
+
+def over_gloo(mesh: Mesh | None) -> bool:
+    """A mesh over several processes on CPUs: XLA runs its collectives through gloo, where two
+    programs of ours (with top-k/top-p candidates, or with KV pages as bytes) made processes
+    fail on mismatched messages ("64 vs 4"), as if two collectives were in flight at once."""
+    return mesh is not None and jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu"
 
 
 def compile_forward(graphdef, attention):

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.ragged_paged_attention as rpa
 from jaxserve.config import ModelConfig
+from jaxserve.models.layers import float8
 
 MASKED = -1e30  # a finite "minus infinity": exp() of it is 0, and 0 * it is not NaN
 
@@ -39,8 +40,9 @@ class KVPages:
     """The device KV pool; donated to every step and returned updated.
 
     Pages hold the compute dtype, or a narrow one (`--kv-cache-dtype`): float8_e4m3fn with one
-    scale of 1 for the whole pool (vLLM's default; values clipped to +-448), or int8 with a scale
-    for every token and KV head (written once with its token, so no page is ever requantised).
+    scale of 1 for the whole pool (vLLM's default; values clipped to +-448; the XLA backend on a
+    CPU keeps them as their bytes, uint8: float8.py), or int8 with a scale for every token and KV
+    head (written once with its token, so no page is ever requantised).
     """
 
     k: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
@@ -106,7 +108,11 @@ def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, layer: jax.Array,
     """Scatters the new K/V [T, kv_heads, head_dim] into `layer`'s pages, in place under donation."""
     pages, offsets = slot_mapping // kv_pages.page_size, slot_mapping % kv_pages.page_size
     # One quantizer for both backends: the kernels package's (the pages' format is its contract).
-    (k, k_scale), (v, v_scale) = rpa.quantize_kv(k, kv_pages.k.dtype), rpa.quantize_kv(v, kv_pages.v.dtype)
+    as_bytes = kv_pages.k.dtype == float8.BYTES
+    dtype = float8.FLOAT8 if as_bytes else kv_pages.k.dtype
+    (k, k_scale), (v, v_scale) = rpa.quantize_kv(k, dtype), rpa.quantize_kv(v, dtype)
+    if as_bytes:
+        k, v = float8.to_bytes(k), float8.to_bytes(v)
     # Index arrays split by a slice put their dimension first: the update is [T, kv_heads, head_dim].
     at = (layer, slice(None), pages, offsets)
     scales = {}
@@ -174,11 +180,12 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
 
 def _gather_pages(pool: jax.Array, layer: jax.Array, pages: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """pool [layers, kv_heads, P, page_size, D], pages [G, n] -> [kv_heads, G, n * page_size, D] f32
-    (scaled by `scale` [layers, kv_heads, P, page_size] for int8 pools)."""
+    (scaled by `scale` [layers, kv_heads, P, page_size] for int8 pools; a uint8 pool holds
+    float8_e4m3fn's bytes, see float8.py)."""
     kv_heads, _, page_size, head_dim = pool.shape[1:]
     # One gather from the whole pool (slicing the layer out first would copy it).
     heads = jnp.arange(kv_heads)[:, None, None]
-    blocks = pool[layer, heads, pages[None]].astype(jnp.float32)
+    blocks = float8.values(pool[layer, heads, pages[None]], jnp.float32)
     if scale is not None:
         blocks = blocks * scale[layer, heads, pages[None]][..., None]
     return blocks.reshape(kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim)
