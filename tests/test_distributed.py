@@ -358,7 +358,7 @@ def _native_gguf(tiny_models, path):
     ("phi3", "2x4", {"quantization": "int8", "kv_cache_dtype": "int8"}),
     ("llama", "4x2", {"quantization": "int4", "kv_cache_dtype": "fp8"}),
     ("mistral_window", "2x4", {"quantization": "fp8"}),
-    ("llama.gguf", "1x2", {}), ("mixtral", "1x2", {"quantization": "int4"})])
+    ("llama.gguf", "1x2", {}), ("mixtral", "1x2", {"quantization": "int4"}), ("gemma3", "1x2", {})])
 def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, tmp_path, keys):
     """Greedy tokens as one process computes them alone: Qwen3-MoE's 8 experts one per device of a
     1x8 mesh, four in each process (expert parallelism across processes); Qwen2-MoE's 4 experts
@@ -368,7 +368,8 @@ def test_two_processes_serve_other_models(variant, mesh, settings, tiny_models, 
     scales and minimums) with fp8 KV pages, four data slices and two model shards; Mistral's
     sliding window (12 tokens, shorter than prompt and reply) with fp8 weights; a GGUF file's own
     Q4_1 and Q8_0 blocks, each matrix split between the two processes; Mixtral's int4 experts, two
-    in each process."""
+    in each process; Gemma 3's RoPE per layer type and q/k norms with each process holding half of
+    every layer's heads."""
     if variant == "llama.gguf":
         directory = _native_gguf(tiny_models, tmp_path / variant)
     else:
