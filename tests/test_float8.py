@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
+from jaxserve.checkpoint.loader import load_model
 from jaxserve.engine import kv_pages as kv_pool
+from jaxserve.engine.runner import Runner
 from jaxserve.models.layers import float8
 from jaxserve.models.layers.attention import _gather_pages, write_kv
 
@@ -25,11 +28,18 @@ def test_every_byte_decodes_to_its_float8_value(dtype):
     assert np.isnan(got).sum() == 2 and got[0x7E] == 448 and got[1] == 2.0 ** -9   # NaN, max, a subnormal
 
 
-def test_on_a_cpu_float8_arrays_are_stored_as_bytes():
+def test_on_a_cpu_float8_arrays_are_stored_as_bytes(tiny_models):
     assert jax.default_backend() == "cpu"
     stored = float8.as_stored({"w": jnp.ones(4, jnp.float8_e4m3fn), "scale": jnp.ones(3), "q": jnp.ones(2, jnp.int8)})
     assert [stored[k].dtype for k in ("w", "scale", "q")] == [jnp.uint8, jnp.float32, jnp.int8]
     assert float8.stored_dtype(jnp.float8_e4m3fn) == jnp.uint8 and float8.stored_dtype(jnp.int8) == jnp.int8
+    model = load_model(str(tiny_models("llama")[0]), "float32", quantization="fp8")
+    values = {"/".join(map(str, path)): v.get_value().dtype for path, v in nnx.to_flat_state(model.params)
+              if path[-1] == "value"}
+    assert len(values) == 7 and set(values.values()) == {jnp.dtype(jnp.uint8)}, values
+    pools = {backend: Runner(model, 8, 4, 32, 2, 32, 16, attention_backend=backend, kv_cache_dtype="fp8").kv_pages
+             for backend in ("xla", "pallas")}
+    assert pools["xla"].k.dtype == jnp.uint8 and pools["pallas"].k.dtype == jnp.float8_e4m3fn   # the kernels' own
 
 
 def test_pages_written_as_bytes_read_back_the_float8_pages_values():

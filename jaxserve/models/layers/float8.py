@@ -26,7 +26,7 @@ def stored_dtype(dtype):
 
 def as_stored(tree):
     """`tree` with its float8_e4m3fn arrays in `stored_dtype`."""
-    return jax.tree.map(lambda a: to_bytes(a) if a.dtype == FLOAT8 and stored_dtype(FLOAT8) == BYTES else a, tree)
+    return jax.tree.map(lambda a: to_bytes(a) if stored_dtype(a.dtype) != a.dtype else a, tree)
 
 
 def to_bytes(x: jax.Array) -> jax.Array:
