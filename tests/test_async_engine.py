@@ -44,9 +44,9 @@ async def collect(stream):
 def slow_steps(monkeypatch, engine, seconds):
     execute = engine.runner.launch
 
-    def slow(output):
+    def slow(output, *rest):
         time.sleep(seconds)
-        return execute(output)
+        return execute(output, *rest)
 
     monkeypatch.setattr(engine.runner, "launch", slow)
 
@@ -235,11 +235,11 @@ def test_runner_failure_fails_that_request_only(tiny_engine, monkeypatch):
     execute = tiny_engine.runner.launch
     calls = []
 
-    def fail_once(output):
+    def fail_once(output, *rest):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("device on fire")
-        return execute(output)
+        return execute(output, *rest)
 
     monkeypatch.setattr(tiny_engine.runner, "launch", fail_once)
 

@@ -247,7 +247,7 @@ def record_steps(engine, monkeypatch):
     """Every SchedulerOutput the engine runs, in order."""
     steps = []
     execute = engine.runner.launch
-    monkeypatch.setattr(engine.runner, "launch", lambda output: (steps.append(output), execute(output))[1])
+    monkeypatch.setattr(engine.runner, "launch", lambda output, *rest: (steps.append(output), execute(output, *rest))[1])
     return steps
 
 

@@ -198,7 +198,7 @@ def test_unknown_path_and_wrong_method_are_json(server):
 
 def test_full_queue_is_503_with_retry_after(server, tiny_engine, monkeypatch):
     execute = tiny_engine.runner.launch
-    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output: (time.sleep(0.02), execute(output))[1])
+    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output, *rest: (time.sleep(0.02), execute(output, *rest))[1])
     stats = server.async_engine
 
     async def scenario():
@@ -239,10 +239,10 @@ def test_engine_step_failure_is_500_and_the_next_request_is_served(server, tiny_
     execute = tiny_engine.runner.launch
     failures = iter([True, True])
 
-    def fail_twice(output):
+    def fail_twice(output, *rest):
         if next(failures, False):
             raise RuntimeError("device on fire")
-        return execute(output)
+        return execute(output, *rest)
 
     monkeypatch.setattr(tiny_engine.runner, "launch", fail_twice)
     body = {"prompt": "x", "max_tokens": 3}

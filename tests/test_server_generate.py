@@ -84,7 +84,7 @@ def _metric(server, name, labels) -> float:
 ])
 def test_client_that_disconnects_frees_its_pages_within_a_second(server, tiny_engine, monkeypatch, path, body):
     execute = tiny_engine.runner.launch
-    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output: (time.sleep(0.05), execute(output))[1])
+    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output, *rest: (time.sleep(0.05), execute(output, *rest))[1])
     aborted = _metric(server, "jaxserve:request_success_total", {"finished_reason": "abort"})
 
     async def drop_mid_request():

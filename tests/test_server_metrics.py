@@ -117,7 +117,7 @@ def test_cache_config_info(server, tiny_engine):
 
 def test_gauges_follow_the_running_batch(server, tiny_engine, monkeypatch):
     execute = tiny_engine.runner.launch
-    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output: (time.sleep(0.02), execute(output))[1])
+    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output, *rest: (time.sleep(0.02), execute(output, *rest))[1])
     body = {"prompt": "Busy", "n": 3, "max_tokens": 60, "ignore_eos": True}
     request = threading.Thread(target=requests.post, args=(f"{server.url}/v1/completions",),
                                kwargs=dict(json=body, timeout=60))

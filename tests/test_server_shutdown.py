@@ -14,7 +14,7 @@ LONG = {"max_tokens": 90, "temperature": 0}
 
 def test_requests_cut_by_the_drain_timeout_end_as_errors_on_the_openai_endpoints(tiny_engine, monkeypatch):
     execute = tiny_engine.runner.launch
-    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output: (time.sleep(0.1), execute(output))[1])
+    monkeypatch.setattr(tiny_engine.runner, "launch", lambda output, *rest: (time.sleep(0.1), execute(output, *rest))[1])
     results: dict[str, object] = {}
 
     def streamed_chat(server):

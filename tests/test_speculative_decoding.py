@@ -136,10 +136,10 @@ def test_decodes_speculate_beside_a_chunked_prompt(plain, spec, monkeypatch):
     steps = []
     launch = spec.runner.launch
 
-    def recording(output):
+    def recording(output, *rest):
         steps.append((any(not q.draft_token_ids and q.num_tokens > 1 for q in output.sequences),
                       any(q.draft_token_ids for q in output.sequences)))
-        return launch(output)
+        return launch(output, *rest)
 
     monkeypatch.setattr(spec.runner, "launch", recording)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -4,6 +4,7 @@ The tiny random model picks its tokens at random, so whatever it writes that fit
 fits because of the mask.
 """
 
+import dataclasses
 import json
 import re
 
@@ -53,6 +54,37 @@ def test_constrained_tokens_fit_a_fresh_matcher_and_the_neighbour_is_unchanged(t
         assert token in allowed_ids(grammars.fill_masks([matcher])[0])
         assert matcher.consume_token(token)
     assert matcher.is_stopped() and pool_is_full(engine)
+
+
+def test_constrained_steps_launch_ahead_and_sample_once_the_grammars_have_the_last_token(tiny_engine, monkeypatch):
+    """Under async scheduling a step that samples for constrained sequences is launched before the
+    step before is read back, up to its logits, and sampled once their grammars took that step's
+    tokens: the same tokens as serial steps, the constraints kept, every page back."""
+    engine = tiny_engine
+    masked_later = []
+    sample = engine.runner.sample
+    monkeypatch.setattr(engine.runner, "sample", lambda step, masks: masked_later.append(len(masks)) or sample(step, masks))
+    requests = {
+        "json": ("A person:", SamplingParams(temperature=1.0, seed=3, max_tokens=80,
+                                             structured_outputs=Constraint(json=PERSON))),
+        "date": ("Today:", SamplingParams(temperature=0.8, seed=1, max_tokens=20,
+                                          structured_outputs=Constraint(regex=r"\d{4}-\d{2}-\d{2}"))),
+        "plain": ("Hello", SamplingParams(temperature=0.7, seed=2, max_tokens=30)),
+    }
+    assert engine.config.async_scheduling
+    overlapped = run(engine, requests)
+    assert len(masked_later) >= 10 and max(masked_later) == 2 and pool_is_full(engine)
+    config = engine.config
+    engine.config = dataclasses.replace(config, async_scheduling=False)
+    try:
+        stepped = run(engine, requests)
+    finally:
+        engine.config = config
+    assert {i: [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for i, o in overlapped.items()} == \
+           {i: [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for i, o in stepped.items()}
+    jsonschema_rs.validate(PERSON, json.loads(overlapped["json"].outputs[0].text))
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", overlapped["date"].outputs[0].text)
+    assert pool_is_full(engine)
 
 
 @pytest.mark.parametrize("constraint, pattern", [

@@ -10,9 +10,11 @@ Async scheduling (vLLM's `--async-scheduling`, on by default): step N+1 is sched
 before step N is read back, so the device runs N+1 while the host does N's bookkeeping. Each
 sequence N samples for counts as a placeholder, whose id step N+1 reads on the device. A request
 that N ends (EOS, a stop id or string, a grammar's end) has one more token computed in N+1, and
-dropped; one that N's token ends by length is not scheduled again. While a running request's next
-step needs its last token on the host (penalties read the token history, a grammar fills its mask
-from it), steps are serial.
+dropped; one that N's token ends by length is not scheduled again. A constrained sequence's
+grammar fills its mask from its last token on the host: a step N+1 that samples for one is
+launched up to its logits, and sampled with the masks once N is read back (with followers,
+which replay whole steps, such steps are serial). While few enough requests run to speculate,
+steps are serial too: drafts are proposed from the last token.
 """
 
 from __future__ import annotations
@@ -456,12 +458,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Reads one step back (launching it first if none is in flight), after launching the next
         one under async scheduling; outputs of the requests that moved forward."""
-        current, self._in_flight = self._in_flight or self._launch(), None
+        current, self._in_flight = self._in_flight or self._launch(ahead=False), None
         if current is None:
             return []
         if current.error is None and self._schedules_ahead():   # a failed launch sampled nothing to read
-            self._in_flight = self._launch()
-        return self._read_back(current) + self._drain_if_idle()
+            self._in_flight = self._launch(ahead=True)
+        results = self._read_back(current)
+        if self._in_flight is not None:
+            self._in_flight = self._sample_with_masks(self._in_flight)
+        return results + self._drain_if_idle()
 
     def _drain_if_idle(self) -> list[RequestOutput]:
         """Reads back the step in flight when every request it computes for has ended, so that an
@@ -472,32 +477,53 @@ class LLMEngine:
         return self._read_back(leftover)
 
     def _schedules_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the current one is read back: not while a
-        running request's next token depends on its last one on the host (a grammar's mask), nor
-        while few enough run to speculate (drafts are proposed from the last token). Penalties
-        read the last token on the device (sampler.PLACEHOLDER)."""
+        """Whether the next step may be scheduled before the current one is read back: not while
+        few enough run to speculate (drafts are proposed from the last token), nor while a running
+        request's grammar fills its mask from its last token and the runner cannot take masks
+        after a launch (followers replay whole steps). Penalties read the last token on the
+        device (sampler.PLACEHOLDER)."""
         running = self.scheduler.running
         spec = self.config.speculative_config
-        return self.config.async_scheduling and not (spec and len(running) <= spec.disable_by_batch_size) and not any(
-            r.request_id in self._matchers for r in running)
+        return self.config.async_scheduling and not (spec and len(running) <= spec.disable_by_batch_size) and (
+            self.runner.samples_later or not any(r.request_id in self._matchers for r in running))
 
-    def _launch(self) -> _Launched | None:
+    def _launch(self, ahead: bool) -> _Launched | None:
+        """Schedules and launches a step. `ahead`: the step before is not read back yet, so the
+        grammars of the sequences it samples for have not taken their tokens: a step that samples
+        for a constrained sequence stops at its logits, and `_sample_with_masks` finishes it."""
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
             return None
         scheduled = time.perf_counter()
-        output = self._with_token_masks(output)
+        masks_later = ahead and any(s.samples and s.request_id in self._matchers for s in output.sequences)
+        if not masks_later:
+            output = self._with_token_masks(output)
         masked = time.perf_counter()
         if self.lora_adapters is not None:
             slots = self.lora_adapters.slots_for(s.lora_id for s in output.sequences)
             output = dataclasses.replace(output, lora_slots={s.request_id: slots.get(s.lora_id, 0)
                                                              for s in output.sequences})
         try:
-            step, error = self.runner.launch(output), None
+            step, error = self.runner.launch(output, masks_later), None
         except Exception as failure:  # noqa: BLE001 - one bad step must not take the engine down
             step, error = None, failure
         return _Launched(output, step, error, scheduled - started, masked - scheduled)
+
+    def _sample_with_masks(self, launched: _Launched) -> _Launched:
+        """A step launched at its logits (`_launch`), sampled now that the step before is read
+        back: each constrained sequence's grammar has its last token, or has ended (the sequence's
+        row is then sampled unconstrained, and dropped)."""
+        if launched.step is None or launched.step.logits is None:
+            return launched
+        started = time.perf_counter()
+        output = self._with_token_masks(launched.output)
+        masks_s = launched.masks_s + time.perf_counter() - started
+        try:
+            return dataclasses.replace(launched, step=self.runner.sample(launched.step, output.token_masks or {}),
+                                       masks_s=masks_s)
+        except Exception as failure:  # noqa: BLE001 - one bad step must not take the engine down
+            return dataclasses.replace(launched, step=None, error=failure)
 
     def _read_back(self, launched: _Launched) -> list[RequestOutput]:
         output = launched.output

@@ -34,7 +34,8 @@ from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.prompt_logprobs import PromptLogprobs
 from jaxserve.engine.rejection_sampler import accepted_length
-from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_step, over_gloo
+from jaxserve.engine.sampler import allowed_rows
+from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_split_step, compile_step, over_gloo
 from jaxserve.models.layers.attention import MeshAttention, backend_for
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.layers import float8, lora
@@ -130,6 +131,8 @@ class LaunchedStep:
     samples: object                         # Samples, on the device
     prompt: object                          # PromptLogprobs, on the device
     prepare_s: float                        # seconds to launch it: page copies, host arrays, sending them
+    logits: tuple | None = None             # (logits, input tokens) on the device while its sampling waits
+                                            # for masks (`launch(..., masks_later=True)`), then None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +180,7 @@ class Runner:
         self.lora = self._allocate_lora(max_loras + 1, max_lora_rank) if max_loras else None
         self.lora_bytes = sum(x.nbytes for x in jax.tree.leaves(self.lora))
         self._step = compile_step(model.graphdef, attention, model.mesh)
+        self._split_step = compile_split_step(model.graphdef, attention, model.mesh)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
@@ -279,18 +283,41 @@ class Runner:
         if self._compiling is not None:
             self._compiling.join()
 
-    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+    @property
+    def samples_later(self) -> bool:
+        """Whether `launch(..., masks_later=True)` may be asked: not with followers (they replay
+        whole steps)."""
+        return self.followers is None
+
+    def launch(self, output: SchedulerOutput, masks_later: bool = False) -> LaunchedStep:
         """Starts one step on the device and returns without waiting for it. Its placeholders take
-        their ids from the step launched before."""
+        their ids from the step launched before. `masks_later`: the step stops at its logits
+        until `sample` brings the allowed-token masks (only where `samples_later`)."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
         batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows)
-        samples, prompt = self._run_step(batch, bucket)
+        if masks_later:
+            logits, last_tokens, prompt, self.kv_pages = self._split_step[0](
+                self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
+                score=bool((batch.prompt_target >= 0).any()))
+            samples, pending = None, (logits, last_tokens)
+        else:
+            (samples, prompt), pending = self._run_step(batch, bucket), None
         # A sequence with drafts has no one next token on the device: it is never a placeholder.
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
                               and not seq.draft_token_ids}
-        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started)
+        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started, pending)
+
+    def sample(self, step: LaunchedStep, token_masks: dict[str, np.ndarray]) -> LaunchedStep:
+        """Samples a step launched with `masks_later`, with each constrained sequence's packed
+        allowed-token mask (by id); the step after it may be launched once this returns."""
+        started = time.perf_counter()
+        allowed = allowed_rows(step.rows, len(step.rows), token_masks, self.model.config.vocab_size)
+        batch = step.batch.replace(sampling=step.batch.sampling.replace(allowed=allowed))
+        samples, self._sampled = self._split_step[1](*step.logits, self._sampled, self._place(batch.sampling))
+        return dataclasses.replace(step, batch=batch, samples=samples, logits=None,
+                                   prepare_s=step.prepare_s + time.perf_counter() - started)
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Waits for a launched step and reads its tokens back (see StepResult)."""
@@ -412,8 +439,8 @@ class Runner:
             self._tell_followers(CopyPages(Array.of(source), Array.of(destination), self.model_index))
         self.kv_pages = self._copy_pages(self.kv_pages, source, destination)
 
-    def _place(self, batch: StepInput) -> StepInput:
-        """With a mesh, the step's arrays split over its data slices."""
+    def _place(self, batch):
+        """With a mesh, the step's arrays (or its sampling's) split over its data slices."""
         return batch if self._batch_sharding is None else jax.device_put(batch, self._batch_sharding)
 
     def _make_copies(self, copies: tuple[tuple[int, int], ...]) -> None:

@@ -293,7 +293,6 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
     # history alone is 2 MB).
     biased = [i for i in present if rows[i].params.logit_bias or rows[i].suppressed_token_ids]
     penalized = [i for i in present if rows[i].params.penalizes]
-    masked = [i for i in present if token_masks and rows[i].request_id in token_masks]
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
@@ -307,7 +306,6 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
     history = _filled((num_rows, history_width), vocab_size, penalized)
     num_prompt = np.zeros(num_rows, np.int32)
     logprobs = np.zeros(num_rows, np.bool_)
-    allowed = _filled((num_rows, mask_width(vocab_size)), -1, masked)
     if present:   # what every row has, a column at a time
         params = [rows[i].params for i in present]
         temperature[present] = [p.temperature for p in params]
@@ -328,7 +326,15 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
         history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
         if row.placeholder:
             history[i, num_prompt[i] + len(row.output_token_ids)] = PLACEHOLDER
+    return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,
+                           repetition, history, num_prompt, logprobs, allowed_rows(rows, num_rows, token_masks or {}, vocab_size))
+
+
+def allowed_rows(rows: list, num_rows: int, token_masks: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
+    """SamplingTensors.allowed for `num_rows` rows from `rows` (as `sampling_tensors` takes them):
+    the packed mask of each row whose id has one in `token_masks`, all bits set elsewhere."""
+    masked = [i for i, row in enumerate(rows) if row is not None and row.request_id in token_masks]
+    allowed = _filled((num_rows, mask_width(vocab_size)), -1, masked)
     for i in masked:
         allowed[i] = token_masks[rows[i].request_id]
-    return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,
-                           repetition, history, num_prompt, logprobs, allowed)
+    return allowed

@@ -1,4 +1,5 @@
-"""The one jitted function of a serving step: model forward, then sampling, with the pool donated."""
+"""The one jitted function of a serving step: model forward, then sampling, with the pool donated
+(or the same as two, split at the logits, for a step whose masks come after its launch)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.batch import StepInput
 from jaxserve.engine.prompt_logprobs import PromptLogprobs, no_prompt_logprobs, score_prompt
-from jaxserve.engine.sampler import Samples, sample
+from jaxserve.engine.sampler import Samples, SamplingTensors, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
 
 
@@ -34,16 +35,32 @@ def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch:
     scoring is a program of its own, not a `lax.cond` branch: few steps need it, and in every
     program it was 11% of the start-up's compile (the 12 shapes of the defaults: 28.5 s with it,
     25.3 s without). `candidates`: see `sampler.sample`."""
+    logits, last_tokens, prompt, kv_pages = logits_step(graphdef, attention, params, kv_pages, sampled, lora, batch,
+                                                        score)
+    samples, sampled = sample_step(logits, last_tokens, sampled, batch.sampling, candidates)
+    return samples, prompt, kv_pages, sampled
+
+
+def logits_step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch: StepInput,
+                score: bool) -> tuple[jax.Array, jax.Array, PromptLogprobs, KVPages]:
+    """`step` up to its logits: (the sampling rows' logits [S, vocab], their input tokens [S], the
+    prompt rows' logprobs, kv_pages). `sample_step` finishes it."""
     model = nnx.merge(graphdef, params)
     rows = batch.placeholder_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
     x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention, lora, batch.lora_slots)
-    samples = sample(model.logits(x, batch.logits_index), batch.sampling, token_ids[batch.logits_index], candidates)
     if score:
         prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
     else:
         prompt = no_prompt_logprobs(batch.prompt_index.shape[0])
-    return samples, prompt, kv_pages, sampled.at[:samples.tokens.shape[0]].set(samples.tokens)
+    return model.logits(x, batch.logits_index), token_ids[batch.logits_index], prompt, kv_pages
+
+
+def sample_step(logits: jax.Array, last_tokens: jax.Array, sampled: jax.Array, sampling: SamplingTensors,
+                candidates: bool = True) -> tuple[Samples, jax.Array]:
+    """The rest of `step`: (the samples, sampled with their tokens in its first rows)."""
+    samples = sample(logits, sampling, last_tokens, candidates)
+    return samples, sampled.at[:samples.tokens.shape[0]].set(samples.tokens)
 
 
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
@@ -54,6 +71,19 @@ def compile_step(graphdef, attention, mesh: Mesh | None = None):
     out_shardings = None if mesh is None else (replicated, replicated, None, replicated)
     return jax.jit(functools.partial(step, graphdef, attention, candidates=samples_from_candidates(mesh)),
                    donate_argnums=(1,), out_shardings=out_shardings, static_argnames=("score",))
+
+
+def compile_split_step(graphdef, attention, mesh: Mesh | None = None):
+    """`step` as two programs, for a step launched before its allowed-token masks are known (a
+    grammar's mask needs the token of the step before, on the host): `logits(params, kv_pages,
+    sampled, lora, batch, score)`, with the pool donated, then `sample(logits, last_tokens,
+    sampled, sampling)`, with `sampled` donated. Compiled on first use: only such steps run them."""
+    replicated = None if mesh is None else NamedSharding(mesh, P())
+    logits = jax.jit(functools.partial(logits_step, graphdef, attention), donate_argnums=(1,),
+                     out_shardings=None if mesh is None else (None, None, replicated, None), static_argnames=("score",))
+    sampling = jax.jit(functools.partial(sample_step, candidates=samples_from_candidates(mesh)), donate_argnums=(2,),
+                       out_shardings=None if mesh is None else (replicated, replicated))
+    return logits, sampling
 
 
 def samples_from_candidates(mesh: Mesh | None) -> bool:
