@@ -61,9 +61,10 @@ def test_constrained_steps_launch_ahead_and_sample_once_the_grammars_have_the_la
     step before is read back, up to its logits, and sampled once their grammars took that step's
     tokens: the same tokens as serial steps, the constraints kept, every page back."""
     engine = tiny_engine
-    masked_later = []
+    masked_later = []   # (constrained rows, whether the step ran to its logits before its masks came)
     sample = engine.runner.sample
-    monkeypatch.setattr(engine.runner, "sample", lambda step, masks: masked_later.append(len(masks)) or sample(step, masks))
+    monkeypatch.setattr(engine.runner, "sample", lambda step, masks: masked_later.append(
+        (len(masks), step.logits is not None)) or sample(step, masks))
     requests = {
         "json": ("A person:", SamplingParams(temperature=1.0, seed=3, max_tokens=80,
                                              structured_outputs=Constraint(json=PERSON))),
@@ -72,16 +73,22 @@ def test_constrained_steps_launch_ahead_and_sample_once_the_grammars_have_the_la
         "plain": ("Hello", SamplingParams(temperature=0.7, seed=2, max_tokens=30)),
     }
     assert engine.config.async_scheduling
+    first = run(engine, requests)   # meanwhile each bucket's two programs compile; until then it waits whole
+    engine.runner.wait_compiled()
+    masked_later.clear()
     overlapped = run(engine, requests)
-    assert len(masked_later) >= 10 and max(masked_later) == 2 and pool_is_full(engine)
+    assert len(masked_later) >= 10 and max(n for n, _ in masked_later) == 2 and all(ran for _, ran in masked_later)
+    assert pool_is_full(engine)
     config = engine.config
     engine.config = dataclasses.replace(config, async_scheduling=False)
     try:
         stepped = run(engine, requests)
     finally:
         engine.config = config
-    assert {i: [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for i, o in overlapped.items()} == \
-           {i: [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for i, o in stepped.items()}
+    def samples(outputs):
+        return {i: [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for i, o in outputs.items()}
+
+    assert samples(first) == samples(overlapped) == samples(stepped)
     jsonschema_rs.validate(PERSON, json.loads(overlapped["json"].outputs[0].text))
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", overlapped["date"].outputs[0].text)
     assert pool_is_full(engine)

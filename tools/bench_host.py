@@ -13,8 +13,10 @@ ignored, greedy); all are queued at once, so `--num-seqs` of them run together. 
 their final output only, as `LLM.generate`'s do (`--output-kind cumulative delta` for what
 streams ask for: an output at every step). With `--structured` each request also has a JSON
 schema of its own (a string field named after it), and the `masks` column shows the host time
-llguidance spends filling the allowed-token masks; `--structured 8`: every 8th request only
-(steps are serial while a constrained request runs: its grammar needs its last token on the host).
+llguidance spends filling the allowed-token masks; `--structured 8`: every 8th request only.
+Under async scheduling such a step is launched up to its logits and sampled once the grammars
+have the last token, by two programs per bucket compiled on first use: a first, untimed pass of
+the same requests compiles them.
 Each run reports the garbage collector's pauses; the start-up heap is frozen as a server's is
 (`--unfrozen`: each run again without). `--scheduler-only`: `schedule` and `update` alone, no model.
 `--server`: the requests go through `AsyncEngine` with the server's metrics, and each is read as the
@@ -94,16 +96,24 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     started = time.perf_counter()
     engine = LLMEngine(config, model=loaded)
     startup = time.perf_counter() - started
-    if freeze:
-        freeze_startup_heap()   # as a server does once started
-    pauses = _GCPauses()
-    times = []
-    engine.step_observer = times.append
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind[output_kind.upper()],
                             frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
     requests = [(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
         json=schema(i)) if structured and i % structured == 0 else None)) for i in range(num_seqs)]
+    if structured and async_scheduling:   # the split steps their buckets take compile on first use
+        started = time.perf_counter()
+        for prompt, request_params in requests:
+            engine.add_request(prompt, request_params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.runner.wait_compiled()
+        print(f"(a first pass of the same requests, with the split steps compiling: {time.perf_counter() - started:.2f} s)")
+    if freeze:
+        freeze_startup_heap()   # as a server does once started
+    pauses = _GCPauses()
+    times = []
+    engine.step_observer = times.append
     gc.callbacks.append(pauses)
     try:
         if server:

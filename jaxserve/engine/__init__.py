@@ -43,6 +43,9 @@
         matcher.consume_token() moves each constrained sample's grammar on; a complete grammar
                                ends the sample (stop), a dead end fails its request
         SampleText.add()       extends each sample's text; stop strings end it
+        Runner.sample()        a step N+1 launched before N's read-back that samples for
+                               constrained sequences ran only to its logits (step.logits_step):
+                               their masks are filled now, and step.sample_step finishes it
     -> RequestOutput per request that moved (a final-only one: when it finishes; `progress_observer`,
        if set, hears its token counts meanwhile); `step_observer`, if set, gets the step's StepTimes
 

@@ -514,7 +514,7 @@ class LLMEngine:
         """A step launched at its logits (`_launch`), sampled now that the step before is read
         back: each constrained sequence's grammar has its last token, or has ended (the sequence's
         row is then sampled unconstrained, and dropped)."""
-        if launched.step is None or launched.step.logits is None:
+        if launched.step is None or not launched.step.waits_for_masks:
             return launched
         started = time.perf_counter()
         output = self._with_token_masks(launched.output)

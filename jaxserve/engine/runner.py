@@ -131,8 +131,9 @@ class LaunchedStep:
     samples: object                         # Samples, on the device
     prompt: object                          # PromptLogprobs, on the device
     prepare_s: float                        # seconds to launch it: page copies, host arrays, sending them
-    logits: tuple | None = None             # (logits, input tokens) on the device while its sampling waits
-                                            # for masks (`launch(..., masks_later=True)`), then None
+    waits_for_masks: bool = False           # launched with `masks_later`, not sampled yet (`Runner.sample`)
+    logits: tuple | None = None             # meanwhile (logits, input tokens) on the device, or None if
+                                            # nothing was launched yet (its bucket's split still compiling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,11 @@ class Runner:
         self.lora_bytes = sum(x.nbytes for x in jax.tree.leaves(self.lora))
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._split_step = compile_split_step(model.graphdef, attention, model.mesh)
+        # The buckets whose split programs are compiled (the engine thread reads the set, the
+        # compiling thread adds to it), and those already sent to that thread.
+        self._split_ready: set[Bucket] = set()
+        self._split_started: set[Bucket] = set()
+        self._split_compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
@@ -279,9 +285,12 @@ class Runner:
         return self.buckets if self._ready is None else self._ready
 
     def wait_compiled(self) -> None:
-        """Returns once every bucket is compiled (a background warm-up has finished)."""
+        """Returns once every bucket is compiled (a background warm-up has finished), and every
+        split step sent to be compiled."""
         if self._compiling is not None:
             self._compiling.join()
+        if self._split_compiler is not None:
+            self._split_compiler.submit(lambda: None).result()
 
     @property
     def samples_later(self) -> bool:
@@ -291,23 +300,29 @@ class Runner:
 
     def launch(self, output: SchedulerOutput, masks_later: bool = False) -> LaunchedStep:
         """Starts one step on the device and returns without waiting for it. Its placeholders take
-        their ids from the step launched before. `masks_later`: the step stops at its logits
-        until `sample` brings the allowed-token masks (only where `samples_later`)."""
+        their ids from the step launched before. `masks_later` (only where `samples_later`): the
+        step stops at its logits until `sample` brings the allowed-token masks; while its bucket's
+        two programs compile (in the background, from the first such step that needs them), it
+        waits for `sample` whole."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
         batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows)
-        if masks_later:
+        samples = prompt = logits = None
+        if not masks_later:
+            samples, prompt = self._run_step(batch, bucket)
+        elif bucket in self._split_ready:
             logits, last_tokens, prompt, self.kv_pages = self._split_step[0](
                 self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
                 score=bool((batch.prompt_target >= 0).any()))
-            samples, pending = None, (logits, last_tokens)
+            logits = (logits, last_tokens)
         else:
-            (samples, prompt), pending = self._run_step(batch, bucket), None
+            self._compile_split(bucket, batch)
         # A sequence with drafts has no one next token on the device: it is never a placeholder.
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
                               and not seq.draft_token_ids}
-        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started, pending)
+        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started,
+                            masks_later, logits)
 
     def sample(self, step: LaunchedStep, token_masks: dict[str, np.ndarray]) -> LaunchedStep:
         """Samples a step launched with `masks_later`, with each constrained sequence's packed
@@ -315,9 +330,38 @@ class Runner:
         started = time.perf_counter()
         allowed = allowed_rows(step.rows, len(step.rows), token_masks, self.model.config.vocab_size)
         batch = step.batch.replace(sampling=step.batch.sampling.replace(allowed=allowed))
-        samples, self._sampled = self._split_step[1](*step.logits, self._sampled, self._place(batch.sampling))
-        return dataclasses.replace(step, batch=batch, samples=samples, logits=None,
-                                   prepare_s=step.prepare_s + time.perf_counter() - started)
+        prompt = step.prompt
+        if step.logits is None:
+            samples, prompt = self._run_step(batch, step.bucket)
+        else:
+            samples, self._sampled = self._split_step[1](*step.logits, self._sampled, self._place(batch.sampling))
+        return dataclasses.replace(step, batch=batch, samples=samples, prompt=prompt, waits_for_masks=False,
+                                   logits=None, prepare_s=step.prepare_s + time.perf_counter() - started)
+
+    def _compile_split(self, bucket: Bucket, batch: StepInput) -> None:
+        """Traces `bucket`'s split programs here (over the live arrays, as `warm_up` does) and
+        compiles them on a thread of their own, one bucket after another."""
+        if bucket in self._split_started:
+            return
+        self._split_started.add(bucket)
+        batch = self._place(batch)
+        forward = self._split_step[0].lower(self.model.params, self.kv_pages, self._sampled, self.lora, batch,
+                                            score=False)
+        outputs = forward.out_info
+        sampling = self._split_step[1].lower(outputs[0], outputs[1], self._sampled, batch.sampling)
+        if self._split_compiler is None:
+            self._split_compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-split")
+
+        def compile_both():
+            try:
+                forward.compile()
+                sampling.compile()
+            except Exception:  # noqa: BLE001 - its steps keep waiting for their masks whole
+                log.exception("compiling the split step for %s failed", bucket)
+                return
+            self._split_ready = self._split_ready | {bucket}   # swapped in whole, as _ready is
+
+        self._split_compiler.submit(compile_both)
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Waits for a launched step and reads its tokens back (see StepResult)."""
