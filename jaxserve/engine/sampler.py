@@ -326,8 +326,9 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
         history[i, num_prompt[i]:num_prompt[i] + len(row.output_token_ids)] = row.output_token_ids
         if row.placeholder:
             history[i, num_prompt[i] + len(row.output_token_ids)] = PLACEHOLDER
+    allowed = allowed_rows(rows, num_rows, token_masks or {}, vocab_size)
     return SamplingTensors(temperature, top_k, top_p, min_p, seed, bias_ids, bias, presence, frequency,
-                           repetition, history, num_prompt, logprobs, allowed_rows(rows, num_rows, token_masks or {}, vocab_size))
+                           repetition, history, num_prompt, logprobs, allowed)
 
 
 def allowed_rows(rows: list, num_rows: int, token_masks: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:

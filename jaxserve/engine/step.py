@@ -77,7 +77,8 @@ def compile_split_step(graphdef, attention, mesh: Mesh | None = None):
     """`step` as two programs, for a step launched before its allowed-token masks are known (a
     grammar's mask needs the token of the step before, on the host): `logits(params, kv_pages,
     sampled, lora, batch, score)`, with the pool donated, then `sample(logits, last_tokens,
-    sampled, sampling)`, with `sampled` donated. Compiled on first use: only such steps run them."""
+    sampled, sampling)`, with `sampled` donated. Not in the warm-up: the runner compiles a
+    bucket's pair on a thread of its own once a step needs it (`Runner.launch`)."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
     logits = jax.jit(functools.partial(logits_step, graphdef, attention), donate_argnums=(1,),
                      out_shardings=None if mesh is None else (None, None, replicated, None), static_argnames=("score",))
