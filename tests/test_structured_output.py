@@ -85,12 +85,37 @@ def test_constrained_steps_launch_ahead_and_sample_once_the_grammars_have_the_la
         stepped = run(engine, requests)
     finally:
         engine.config = config
+
     def samples(outputs):
         return {i: [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for i, o in outputs.items()}
 
     assert samples(first) == samples(overlapped) == samples(stepped)
     jsonschema_rs.validate(PERSON, json.loads(overlapped["json"].outputs[0].text))
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", overlapped["date"].outputs[0].text)
+    assert pool_is_full(engine)
+
+
+def test_a_step_whose_sampling_after_its_masks_fails_fails_its_requests_only(tiny_engine, monkeypatch):
+    """Sampling a step launched ahead raises once: its requests fail with the error, the engine
+    goes on (a request after them is served) and every page returns to the pool."""
+    engine = tiny_engine
+    sample, calls = engine.runner.sample, []
+
+    def fails_third(step, masks):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device on fire")
+        return sample(step, masks)
+
+    monkeypatch.setattr(engine.runner, "sample", fails_third)
+    words = SamplingParams(temperature=0.8, seed=1, max_tokens=30, structured_outputs=Constraint(regex=r"[a-z]{20,40}"))
+    failed = run(engine, {"a": ("Word:", words), "b": ("Other:", words)})
+    assert len(calls) >= 3
+    assert {i: (o.outputs[0].finish_reason, o.error) for i, o in failed.items()} == {
+        i: ("error", "engine step failed: RuntimeError: device on fire") for i in ("a", "b")}
+    assert pool_is_full(engine)
+    served = run(engine, {"c": ("Word:", words)})["c"].outputs[0]
+    assert served.finish_reason == "stop" and re.fullmatch(r"[a-z]{20,40}", served.text)
     assert pool_is_full(engine)
 
 
