@@ -103,10 +103,7 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
         json=schema(i)) if structured and i % structured == 0 else None)) for i in range(num_seqs)]
     if structured and async_scheduling:   # the split steps their buckets take compile on first use
         started = time.perf_counter()
-        for prompt, request_params in requests:
-            engine.add_request(prompt, request_params)
-        while engine.has_unfinished_requests():
-            engine.step()
+        _run_offline(engine, requests)
         engine.runner.wait_compiled()
         print(f"(a first pass of the same requests, with the split steps compiling: {time.perf_counter() - started:.2f} s)")
     if freeze:
@@ -119,15 +116,22 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
         if server:
             started = asyncio.run(_serve(engine, requests, times))
         else:
-            for prompt, request_params in requests:
-                engine.add_request(prompt, request_params)
-            started = time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
+            started = _run_offline(engine, requests)
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()   # the next run's engine replaces this one: the collector may take it
     return times, time.perf_counter() - started, startup, engine.model, pauses
+
+
+def _run_offline(engine, requests: list) -> float:
+    """The requests queued at once, then steps until all finish. Returns when they were queued
+    (perf_counter)."""
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return started
 
 
 async def _serve(engine, requests: list, times: list) -> float:

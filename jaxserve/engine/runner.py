@@ -131,9 +131,14 @@ class LaunchedStep:
     samples: object                         # Samples, on the device
     prompt: object                          # PromptLogprobs, on the device
     prepare_s: float                        # seconds to launch it: page copies, host arrays, sending them
-    waits_for_masks: bool = False           # launched with `masks_later`, not sampled yet (`Runner.sample`)
-    logits: tuple | None = None             # meanwhile (logits, input tokens) on the device, or None if
-                                            # nothing was launched yet (its bucket's split still compiling)
+    logits: tuple | None = None             # launched with `masks_later` and not sampled yet: (logits, input
+                                            # tokens) on the device, or None if nothing was launched yet (its
+                                            # bucket's split still compiling)
+
+    @property
+    def waits_for_masks(self) -> bool:
+        """Launched with `masks_later`, not sampled yet (`Runner.sample`)."""
+        return self.samples is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +326,7 @@ class Runner:
         # A sequence with drafts has no one next token on the device: it is never a placeholder.
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
                               and not seq.draft_token_ids}
-        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started,
-                            masks_later, logits)
+        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started, logits)
 
     def sample(self, step: LaunchedStep, token_masks: dict[str, np.ndarray]) -> LaunchedStep:
         """Samples a step launched with `masks_later`, with each constrained sequence's packed
@@ -335,8 +339,8 @@ class Runner:
             samples, prompt = self._run_step(batch, step.bucket)
         else:
             samples, self._sampled = self._split_step[1](*step.logits, self._sampled, self._place(batch.sampling))
-        return dataclasses.replace(step, batch=batch, samples=samples, prompt=prompt, waits_for_masks=False,
-                                   logits=None, prepare_s=step.prepare_s + time.perf_counter() - started)
+        return dataclasses.replace(step, batch=batch, samples=samples, prompt=prompt, logits=None,
+                                   prepare_s=step.prepare_s + time.perf_counter() - started)
 
     def _compile_split(self, bucket: Bucket, batch: StepInput) -> None:
         """Traces `bucket`'s split programs here (over the live arrays, as `warm_up` does) and
