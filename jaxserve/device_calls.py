@@ -15,7 +15,7 @@ import math
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: steps run to their logits, sampled by a later call (StepSample)
 _DTYPES = frozenset(np.dtype(t).str for t in (np.bool_, np.int8, np.int32, np.uint32, np.int64, np.float32))
 
 
@@ -48,6 +48,22 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     leaves: tuple[Array, ...]  # the StepInput's arrays in pytree order
     decode_len: int = 1
     model: int = 0             # whose runner: 0 the target's, 1 the speculative draft model's
+    to_logits: bool = False    # run to its logits only: the allowed-token masks come with StepSample
+
+
+class StepSample(msgspec.Struct, tag="sample", frozen=True):
+    """Samples the step run `to_logits` before it, with these allowed-token masks."""
+    allowed: Array             # the step's sampling rows' packed masks ([S, ceil(vocab / 32)])
+    model: int = 0
+
+
+class CompileSplit(msgspec.Struct, tag="compile_split", frozen=True):
+    """Compile this bucket's two programs (to the logits, then the sampling) in the background:
+    the leader's own compile of them has begun, and its first such step follows once it ends."""
+    num_decode: int
+    num_segments: int
+    decode_len: int = 1
+    model: int = 0
 
 
 class CopyPages(msgspec.Struct, tag="copy", frozen=True):
@@ -82,8 +98,8 @@ class Refused(msgspec.Struct, tag="refused", frozen=True):
     reason: str
 
 
-DeviceCall = Step | CopyPages | ResetPool | LoadLora | Stop
-Message = Step | CopyPages | ResetPool | LoadLora | Stop | Hello | Welcome | Refused
+DeviceCall = Step | StepSample | CompileSplit | CopyPages | ResetPool | LoadLora | Stop
+Message = Step | StepSample | CompileSplit | CopyPages | ResetPool | LoadLora | Stop | Hello | Welcome | Refused
 
 
 class Frame(msgspec.Struct, array_like=True, frozen=True):

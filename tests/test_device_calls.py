@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxserve.device_calls import (
-    PROTOCOL_VERSION, Array, CopyPages, Hello, Inbox, Outbox, ProtocolError, ResetPool, Step, Stop, differences)
+    PROTOCOL_VERSION, Array, CompileSplit, CopyPages, Hello, Inbox, Outbox, ProtocolError, ResetPool, Step, StepSample,
+    Stop, differences)
 
 
 def test_frames_round_trip_in_order():
@@ -13,7 +14,8 @@ def test_frames_round_trip_in_order():
               Array.of(np.array([True, False])), Array.of(np.zeros((2, 0), np.uint32)))
     messages = [Hello(1, {"config.seed": "0"}), CopyPages(Array.of(np.array([1, 2], np.int32)),
                                                           Array.of(np.array([3, 4], np.int32))),
-                Step(4, 1, leaves), ResetPool(), Stop()]
+                Step(4, 1, leaves), ResetPool(), CompileSplit(2, 0), Step(2, 0, leaves[:1], to_logits=True),
+                StepSample(Array.of(np.full((2, 3), -1, np.int32))), Stop()]
     outbox, inbox = Outbox(), Inbox()
     received = [inbox.read(outbox.frame(m)) for m in messages]
     assert received == messages

@@ -275,6 +275,14 @@ def _greedy_tokens(url: str, prompt: str | list[int], max_tokens: int = 8, **ext
     return reply.json()["outputs"][0]["token_ids"]
 
 
+def _wait_for_line(tmp_path, text: str, timeout: float = 120) -> None:
+    """Waits until both processes' output holds `text`."""
+    deadline = time.monotonic() + timeout
+    while not all(text in (tmp_path / f"process{i}.txt").read_text() for i in range(2)):
+        assert time.monotonic() < deadline, f"{text!r} not in both processes' output after {timeout} s"
+        time.sleep(0.5)
+
+
 def _adapter_tokens(url: str, prompt: list[int]) -> list[int]:
     reply = requests.post(f"{url}/v1/completions", json={"model": "a0", "prompt": prompt, "max_tokens": 8,
                                                          "temperature": 0, "ignore_eos": True,
@@ -303,6 +311,13 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
         assert [_greedy_tokens(url, p) for p in PROMPTS] + [
             _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS),
             _greedy_tokens(url, COPY, max_tokens=30), _adapter_tokens(url, COPY[:9])] == [expected[i] for i in ids]
+        # Two constrained samples (more than disable_by_batch_size, so steps are launched ahead): once
+        # both processes have compiled the split step, such steps run to their logits on both and are
+        # sampled with the masks sent after.
+        constrained = expected[ids[len(PROMPTS)]]
+        assert _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS, n=2) == constrained
+        _wait_for_line(tmp_path, "compiled the split step for")
+        assert _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS, n=2) == constrained
         metrics = requests.get(f"{url}/metrics", timeout=10).text
         accepted = re.search(r"^jaxserve:spec_decode_num_accepted_tokens_total\{.*\} (\S+)$", metrics, re.M)
         assert float(accepted[1]) > 0, "the draft model's calls and steps of 1 + K tokens went to the follower"

@@ -8,11 +8,14 @@ import dataclasses
 import json
 import re
 
+import jax
 import jsonschema_rs
 import llguidance.numpy
 import numpy as np
 import pytest
 
+from jaxserve.device_calls import Array, CompileSplit, Inbox, Outbox, ProtocolError, StepSample
+from jaxserve.engine.runner import Runner
 from jaxserve.engine.structured_output import Grammars
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams as Constraint
@@ -117,6 +120,69 @@ def test_a_step_whose_sampling_after_its_masks_fails_fails_its_requests_only(tin
     served = run(engine, {"c": ("Word:", words)})["c"].outputs[0]
     assert served.finish_reason == "stop" and re.fullmatch(r"[a-z]{20,40}", served.text)
     assert pool_is_full(engine)
+
+
+class _FollowerHere:
+    """Followers in this process: each device call goes through the wire's framing and `runner`,
+    another runner over the same weights, replays it."""
+
+    def __init__(self, runner: Runner):
+        self.runner, self.outbox, self.inbox, self.kinds = runner, Outbox(), Inbox(), []
+
+    def send(self, call) -> None:
+        call = self.inbox.read(self.outbox.frame(call))
+        self.kinds.append("to_logits" if getattr(call, "to_logits", False) else type(call).__name__)
+        self.runner.replay(call)
+
+
+def test_a_follower_replays_steps_split_at_their_logits_to_the_leaders_pool_and_samples(tiny_engine, monkeypatch):
+    """Several processes keep constrained steps overlapped too: the follower compiles the split
+    pair when the leader does, runs each step to its logits and samples it with the masks sent
+    after; its pool and its last samples then equal the leader's, and the tokens equal serial steps'."""
+    engine, config = tiny_engine, tiny_engine.config
+    leader = engine.runner
+    follower = _FollowerHere(Runner(engine.model, engine.allocators[0].num_pages, config.page_size,
+                                    engine.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                                    config.prefill_segment))
+    words = SamplingParams(temperature=0.8, seed=5, max_tokens=24, structured_outputs=Constraint(regex=r"[a-z]{6,40}"))
+    requests = {"words": ("Word:", words), "plain": ("Hello", SamplingParams(temperature=0.7, seed=2, max_tokens=30)),
+                "greedy": ("Hi", SamplingParams(temperature=0, max_tokens=12, structured_outputs=Constraint(
+                    choice=("alpha", "beta", "gamma"))))}
+    serial_config = dataclasses.replace(config, async_scheduling=False)
+    monkeypatch.setattr(engine, "config", serial_config)
+    stepped = run(engine, requests)
+    monkeypatch.setattr(engine, "config", config)
+    monkeypatch.setattr(leader, "followers", follower)
+    leader.reset_pool()   # sent to the follower: both start from an empty pool, no cached prefix
+    engine.scheduler.clear_cache()
+    first = run(engine, requests)
+    leader.wait_compiled()
+    follower.runner.wait_compiled()
+    follower.kinds.clear()
+    overlapped = run(engine, requests)
+
+    def samples(outputs):
+        return {i: [(c.token_ids, c.finish_reason) for c in o.outputs] for i, o in outputs.items()}
+
+    assert samples(first) == samples(overlapped) == samples(stepped)
+    assert follower.kinds.count("to_logits") >= 5 and follower.kinds.count("to_logits") == follower.kinds.count(
+        "StepSample")
+    for mine, theirs in zip(jax.tree.leaves((leader.kv_pages, leader._sampled)),
+                            jax.tree.leaves((follower.runner.kv_pages, follower.runner._sampled))):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+    assert pool_is_full(engine)
+
+
+def test_a_follower_refuses_a_sampling_with_no_step_at_its_logits_or_masks_of_another_shape(tiny_engine):
+    runner = tiny_engine.runner
+    with pytest.raises(ProtocolError, match="no step ran to its logits before it"):
+        runner.replay(StepSample(Array.of(np.zeros((1, 4), np.int32))))
+    batch = runner._empty_step(runner.buckets[0])
+    runner._replayed_logits = (None, batch)
+    with pytest.raises(ProtocolError, match=r"allowed-token masks int32\[1, 4\] for a step whose sampling takes"):
+        runner.replay(StepSample(Array.of(np.zeros((1, 4), np.int32))))
+    with pytest.raises(ProtocolError, match="is not one of this engine's"):
+        runner.replay(CompileSplit(999, 0))
 
 
 @pytest.mark.parametrize("constraint, pattern", [

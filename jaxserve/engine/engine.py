@@ -12,8 +12,8 @@ sequence N samples for counts as a placeholder, whose id step N+1 reads on the d
 that N ends (EOS, a stop id or string, a grammar's end) has one more token computed in N+1, and
 dropped; one that N's token ends by length is not scheduled again. A constrained sequence's
 grammar fills its mask from its last token on the host: a step N+1 that samples for one is
-launched up to its logits, and sampled with the masks once N is read back (with followers,
-which replay whole steps, such steps are serial). While few enough requests run to speculate,
+launched up to its logits, and sampled with the masks once N is read back (followers replay
+both halves). While few enough requests run to speculate,
 steps are serial too: drafts are proposed from the last token.
 """
 
@@ -478,14 +478,11 @@ class LLMEngine:
 
     def _schedules_ahead(self) -> bool:
         """Whether the next step may be scheduled before the current one is read back: not while
-        few enough run to speculate (drafts are proposed from the last token), nor while a running
-        request's grammar fills its mask from its last token and the runner cannot take masks
-        after a launch (followers replay whole steps). Penalties read the last token on the
-        device (sampler.PLACEHOLDER)."""
-        running = self.scheduler.running
+        few enough run to speculate (drafts are proposed from the last token). Penalties read the
+        last token on the device (sampler.PLACEHOLDER); a grammar's mask is filled after the
+        launch (`_sample_with_masks`)."""
         spec = self.config.speculative_config
-        return self.config.async_scheduling and not (spec and len(running) <= spec.disable_by_batch_size) and (
-            self.runner.samples_later or not any(r.request_id in self._matchers for r in running))
+        return self.config.async_scheduling and not (spec and len(self.scheduler.running) <= spec.disable_by_batch_size)
 
     def _launch(self, ahead: bool) -> _Launched | None:
         """Schedules and launches a step. `ahead`: the step before is not read back yet, so the

@@ -27,7 +27,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxserve.config import ModelConfig
-from jaxserve.device_calls import Array, CopyPages, DeviceCall, LoadLora, ProtocolError, ResetPool, Step
+from jaxserve.device_calls import (
+    Array, CompileSplit, CopyPages, DeviceCall, LoadLora, ProtocolError, ResetPool, Step, StepSample)
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -188,10 +189,11 @@ class Runner:
         self._step = compile_step(model.graphdef, attention, model.mesh)
         self._split_step = compile_split_step(model.graphdef, attention, model.mesh)
         # The buckets whose split programs are compiled (the engine thread reads the set, the
-        # compiling thread adds to it), and those already sent to that thread.
+        # compiling thread adds to it), and the compile of each bucket sent to that thread.
         self._split_ready: set[Bucket] = set()
-        self._split_started: set[Bucket] = set()
+        self._split_compiles: dict[Bucket, concurrent.futures.Future] = {}
         self._split_compiler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._replayed_logits: tuple | None = None   # a follower's step run to its logits: (logits, batch)
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
@@ -294,21 +296,14 @@ class Runner:
         split step sent to be compiled."""
         if self._compiling is not None:
             self._compiling.join()
-        if self._split_compiler is not None:
-            self._split_compiler.submit(lambda: None).result()
-
-    @property
-    def samples_later(self) -> bool:
-        """Whether `launch(..., masks_later=True)` may be asked: not with followers (they replay
-        whole steps)."""
-        return self.followers is None
+        for compiling in list(self._split_compiles.values()):
+            compiling.result()
 
     def launch(self, output: SchedulerOutput, masks_later: bool = False) -> LaunchedStep:
         """Starts one step on the device and returns without waiting for it. Its placeholders take
-        their ids from the step launched before. `masks_later` (only where `samples_later`): the
-        step stops at its logits until `sample` brings the allowed-token masks; while its bucket's
-        two programs compile (in the background, from the first such step that needs them), it
-        waits for `sample` whole."""
+        their ids from the step launched before. `masks_later`: the step stops at its logits until
+        `sample` brings the allowed-token masks; while its bucket's two programs compile (in the
+        background, from the first such step that needs them), it waits for `sample` whole."""
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
@@ -317,12 +312,11 @@ class Runner:
         if not masks_later:
             samples, prompt = self._run_step(batch, bucket)
         elif bucket in self._split_ready:
-            logits, last_tokens, prompt, self.kv_pages = self._split_step[0](
-                self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
-                score=bool((batch.prompt_target >= 0).any()))
-            logits = (logits, last_tokens)
+            logits, prompt = self._run_logits(batch, bucket)
         else:
-            self._compile_split(bucket, batch)
+            self._tell_followers(CompileSplit(bucket.num_decode, bucket.num_segments, bucket.decode_len,
+                                              self.model_index))
+            self._compile_split(bucket)
         # A sequence with drafts has no one next token on the device: it is never a placeholder.
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
                               and not seq.draft_token_ids}
@@ -338,17 +332,18 @@ class Runner:
         if step.logits is None:
             samples, prompt = self._run_step(batch, step.bucket)
         else:
-            samples, self._sampled = self._split_step[1](*step.logits, self._sampled, self._place(batch.sampling))
+            self._tell_followers(StepSample(Array.of(allowed), self.model_index))
+            samples = self._run_sampling(step.logits, batch.sampling)
         return dataclasses.replace(step, batch=batch, samples=samples, prompt=prompt, logits=None,
                                    prepare_s=step.prepare_s + time.perf_counter() - started)
 
-    def _compile_split(self, bucket: Bucket, batch: StepInput) -> None:
-        """Traces `bucket`'s split programs here (over the live arrays, as `warm_up` does) and
-        compiles them on a thread of their own, one bucket after another."""
-        if bucket in self._split_started:
+    def _compile_split(self, bucket: Bucket) -> None:
+        """Traces `bucket`'s split programs here (over the live arrays and an empty step, as
+        `warm_up` does: over several processes each places the same values) and compiles them on
+        a thread of their own, one bucket after another."""
+        if bucket in self._split_compiles:
             return
-        self._split_started.add(bucket)
-        batch = self._place(batch)
+        batch = self._place(self._empty_step(bucket))
         forward = self._split_step[0].lower(self.model.params, self.kv_pages, self._sampled, self.lora, batch,
                                             score=False)
         outputs = forward.out_info
@@ -357,15 +352,30 @@ class Runner:
             self._split_compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-split")
 
         def compile_both():
+            started = time.perf_counter()
             try:
                 forward.compile()
                 sampling.compile()
             except Exception:  # noqa: BLE001 - its steps keep waiting for their masks whole
                 log.exception("compiling the split step for %s failed", bucket)
                 return
+            log.info("compiled the split step for %s in %.1f s", bucket, time.perf_counter() - started)
             self._split_ready = self._split_ready | {bucket}   # swapped in whole, as _ready is
 
-        self._split_compiler.submit(compile_both)
+        self._split_compiles[bucket] = self._split_compiler.submit(compile_both)
+
+    def _run_logits(self, batch: StepInput, bucket: Bucket) -> tuple[tuple, object]:
+        """The split step's first program: ((logits, input tokens), prompt logprobs), on the device."""
+        self._send_step(batch, bucket, to_logits=True)
+        logits, last_tokens, prompt, self.kv_pages = self._split_step[0](
+            self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
+            score=bool((batch.prompt_target >= 0).any()))
+        return (logits, last_tokens), prompt
+
+    def _run_sampling(self, logits: tuple, sampling):
+        """The split step's second program: its samples, on the device."""
+        samples, self._sampled = self._split_step[1](*logits, self._sampled, self._place(sampling))
+        return samples
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Waits for a launched step and reads its tokens back (see StepResult)."""
@@ -412,7 +422,17 @@ class Runner:
         """A follower process makes the device call that process 0's runner sent."""
         if isinstance(call, Step):
             bucket = Bucket(call.num_decode, call.num_segments, call.decode_len)
-            self._run_step(self._step_input(bucket, call.leaves), bucket)
+            batch = self._step_input(bucket, call.leaves)
+            if not call.to_logits:
+                self._run_step(batch, bucket)
+                return
+            if bucket in self._split_compiles:   # as the leader, which sends such steps once compiled
+                self._split_compiles[bucket].result()
+            self._replayed_logits = self._run_logits(batch, bucket)[0], batch
+        elif isinstance(call, StepSample):
+            self._replay_sampling(call.allowed.value())
+        elif isinstance(call, CompileSplit):
+            self._compile_split(Bucket(call.num_decode, call.num_segments, call.decode_len))
         elif isinstance(call, CopyPages):
             self._copy(call.source.value(), call.destination.value())
         elif isinstance(call, ResetPool):
@@ -426,13 +446,27 @@ class Runner:
         else:
             raise ProtocolError(f"{type(call).__name__} is not a device call")
 
-    def _step_input(self, bucket: Bucket, arrays) -> StepInput:
-        """A step's arrays, as sent, back in a StepInput; they must be the shapes this runner built."""
+    def _replay_sampling(self, allowed: np.ndarray) -> None:
+        """A follower samples the step it ran to its logits, with the leader's masks."""
+        if self._replayed_logits is None:
+            raise ProtocolError("a step's sampling, but no step ran to its logits before it")
+        (logits, batch), self._replayed_logits = self._replayed_logits, None
+        expected = batch.sampling.allowed
+        if (allowed.shape, allowed.dtype) != (expected.shape, expected.dtype):
+            raise ProtocolError(f"allowed-token masks {allowed.dtype}{list(allowed.shape)} for a step whose "
+                                f"sampling takes {expected.dtype}{list(expected.shape)}")
+        self._run_sampling(logits, batch.sampling.replace(allowed=allowed))
+
+    def _empty_step(self, bucket: Bucket) -> StepInput:
+        """The arrays of a step of `bucket` with nothing in it; a bucket must be one of this runner's."""
         if bucket not in self.buckets:
             raise ProtocolError(f"step bucket {bucket} is not one of this engine's {self.buckets}")
+        return self.layout.build(SchedulerOutput(()), bucket, self.num_slices)[0]
+
+    def _step_input(self, bucket: Bucket, arrays) -> StepInput:
+        """A step's arrays, as sent, back in a StepInput; they must be the shapes this runner built."""
         if bucket not in self._templates:
-            empty, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-            leaves, treedef = jax.tree.flatten(empty)
+            leaves, treedef = jax.tree.flatten(self._empty_step(bucket))
             self._templates[bucket] = treedef, [(leaf.shape, leaf.dtype) for leaf in leaves]
         treedef, expected = self._templates[bucket]
         leaves = [array.value() for array in arrays]
@@ -445,11 +479,14 @@ class Runner:
         if self.followers is not None:
             self.followers.send(call)
 
-    def _run_step(self, batch: StepInput, bucket: Bucket):
+    def _send_step(self, batch: StepInput, bucket: Bucket, to_logits: bool = False) -> None:
         if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
                                       tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len,
-                                      self.model_index))
+                                      self.model_index, to_logits))
+
+    def _run_step(self, batch: StepInput, bucket: Bucket):
+        self._send_step(batch, bucket)
         # Followers replaying the step read the same targets, so they pick the same program.
         score = bool((batch.prompt_target >= 0).any())
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
