@@ -14,7 +14,7 @@ from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
 
@@ -446,33 +446,40 @@ def test_penalised_requests_are_scheduled_ahead_with_the_same_tokens(engine, mon
     assert unpenalised[0] != overlapped[0]   # the penalties changed its tokens (it repeats some)
 
 
+WORDS = StructuredOutputsParams(regex="[a-z]+( [a-z]+)*")   # a constraint whose masks vary token by token
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.integers(0, 5), st.integers(0, 12)),
-                min_size=1, max_size=6))
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.integers(0, 5), st.integers(0, 12),
+                          st.booleans()), min_size=1, max_size=6))
 def test_random_arrivals_aborts_and_lengths_give_each_request_its_own_tokens(engine, specs):
-    """Requests (prompt length, max_tokens, arrival step, abort step or 0) through the async loop:
-    each gets the tokens it gets alone in serial steps; an aborted one, a prefix of them."""
+    """Requests (prompt length, max_tokens, arrival step, abort step or 0, constrained) through the
+    async loop: each gets the tokens it gets alone in serial steps; an aborted one, a prefix of them.
+    Constrained ones (a regex) make steps that run to their logits before their masks come."""
+    def params(max_tokens, constrained):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                              structured_outputs=WORDS if constrained else None)
+
     alone = {}
     with serial(engine):
-        for length, max_tokens, _, _ in specs:
-            if (length, max_tokens) not in alone:
+        for length, max_tokens, _, _, constrained in specs:
+            if (length, max_tokens, constrained) not in alone:
                 prompt = list(range(50 + length, 50 + 2 * length))
-                alone[length, max_tokens] = generate(engine, prompt, SamplingParams(
-                    temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+                alone[length, max_tokens, constrained] = generate(engine, prompt, params(
+                    max_tokens, constrained))[0].token_ids
     ids, got, step = {}, {}, 0
     while len(ids) < len(specs) or engine.has_unfinished_requests():
-        for i, (length, max_tokens, arrival, abort) in enumerate(specs):
+        for i, (length, max_tokens, arrival, abort, constrained) in enumerate(specs):
             if arrival == step:
-                ids[i] = engine.add_request(list(range(50 + length, 50 + 2 * length)), SamplingParams(
-                    temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                ids[i] = engine.add_request(list(range(50 + length, 50 + 2 * length)), params(max_tokens, constrained))
             if abort and abort == step and i in ids:
                 engine.abort(ids[i])
         for out in engine.step():
             got[out.request_id] = out.outputs[0].token_ids
         step += 1
     assert pool_is_full(engine)
-    for i, (length, max_tokens, arrival, abort) in enumerate(specs):
-        expected, tokens = alone[length, max_tokens], got.get(ids[i], [])
+    for i, (length, max_tokens, arrival, abort, constrained) in enumerate(specs):
+        expected, tokens = alone[length, max_tokens, constrained], got.get(ids[i], [])
         if abort and abort >= arrival:
             assert tokens == expected[:len(tokens)]
         else:
