@@ -5,11 +5,14 @@ processes, which replay it. A follower first says `Hello` with a fingerprint of 
 built; the leader answers `Welcome` or `Refused`. Every message travels in a `Frame` with the
 protocol version and its place in the sender's sequence; a frame of another version, out of
 order, or that does not decode as one of these kinds is a `ProtocolError`, never acted on.
-Arrays travel as dtype, shape and raw bytes, their dtype one of a fixed few.
+Arrays travel as dtype, shape and raw bytes, their dtype one of a fixed few; an array whose
+elements are all one value (a step's unused token history, masks or biases: most of its bytes)
+travels as that value alone.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import msgspec
@@ -17,6 +20,7 @@ import numpy as np
 
 PROTOCOL_VERSION = 2   # 2: steps run to their logits, sampled by a later call (StepSample)
 _DTYPES = frozenset(np.dtype(t).str for t in (np.bool_, np.int8, np.int32, np.uint32, np.int64, np.float32))
+_FILL_MIN_BYTES = 1024   # smaller arrays travel as bytes: checking them costs more than it saves
 
 
 class ProtocolError(RuntimeError):
@@ -26,20 +30,48 @@ class ProtocolError(RuntimeError):
 class Array(msgspec.Struct, array_like=True, frozen=True):
     dtype: str                 # numpy's dtype.str, e.g. "<i4"
     shape: tuple[int, ...]
-    data: memoryview           # no copy: the array's own buffer, and on decoding a view of the frame
+    data: memoryview           # no copy: the array's own buffer, and on decoding a view of the frame;
+                               # empty when `fill` is set
+    fill: bool | int | float | None = None   # every element's value, sent instead of the bytes
 
     @classmethod
     def of(cls, value) -> "Array":
         value = np.ascontiguousarray(value)
-        return cls(value.dtype.str, value.shape, memoryview(value.reshape(-1).view(np.uint8)))
+        flat = value.reshape(-1)
+        if value.nbytes >= _FILL_MIN_BYTES and flat[0] == flat[-1] and (flat == flat[0]).all():
+            return cls(value.dtype.str, value.shape, memoryview(b""), flat[0].item())
+        return cls(value.dtype.str, value.shape, memoryview(flat.view(np.uint8)))
 
     def value(self) -> np.ndarray:
         if self.dtype not in _DTYPES:
             raise ProtocolError(f"array dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = np.dtype(self.dtype)
-        if any(n < 0 for n in self.shape) or math.prod(self.shape) * dtype.itemsize != len(self.data):
+        size = math.prod(self.shape) * dtype.itemsize
+        if self.fill is not None:
+            if any(n < 0 for n in self.shape) or len(self.data) or not _holds(dtype, self.fill):
+                raise ProtocolError(f"a {self.dtype} array of shape {self.shape} filled with {self.fill!r} "
+                                    f"and {len(self.data)} bytes")
+            return _full(tuple(self.shape), np.array(self.fill, dtype).tobytes(), dtype)
+        if any(n < 0 for n in self.shape) or size != len(self.data):
             raise ProtocolError(f"{len(self.data)} bytes do not make a {self.dtype} array of shape {self.shape}")
         return np.frombuffer(self.data, dtype).reshape(self.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _full(shape: tuple[int, ...], value: bytes, dtype: np.dtype) -> np.ndarray:
+    """A read-only array of one value (its bytes: -0.0 is not 0.0), shared: a follower gets the
+    same few every step (read-only as the arrays viewing a frame are)."""
+    array = np.full(shape, np.frombuffer(value, dtype)[0], dtype)
+    array.setflags(write=False)
+    return array
+
+
+def _holds(dtype: np.dtype, value) -> bool:
+    """Whether `dtype` holds `value` exactly."""
+    try:
+        return bool(np.array(value).astype(dtype) == value)
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 class Step(msgspec.Struct, tag="step", frozen=True):

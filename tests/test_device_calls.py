@@ -63,10 +63,31 @@ def test_unknown_kinds_and_versions_are_errors_never_run():
     (Array("|O", (1,), b"\0" * 8), "dtype '|O' is not one of"),
     (Array("<i4", (3,), b"\0" * 8), "8 bytes do not make a <i4 array of shape (3,)"),
     (Array("<i4", (-1, -2), b"\0" * 8), "do not make"),
+    (Array("<i4", (3,), b"", 2 ** 40), "a <i4 array of shape (3,) filled with 1099511627776 and 0 bytes"),
+    (Array("<i4", (3,), b"", 0.5), "filled with 0.5"),
+    (Array("<i4", (3,), b"\0" * 4, 1), "filled with 1 and 4 bytes"),
 ])
 def test_arrays_of_a_wrong_kind_or_size_are_refused(array, message):
     with pytest.raises(ProtocolError, match=message.replace("(", r"\(").replace(")", r"\)")):
         array.value()
+
+
+def test_an_array_of_one_value_travels_as_that_value():
+    """A step's unused history, masks and biases are one value throughout: only it is sent."""
+    arrays = [np.full((256, 2048), 49152, np.int32), np.full((64, 1536), -1, np.int32),
+              np.full((64, 16), -np.inf, np.float32), np.ones(4096, np.bool_), np.full(512, 2 ** 32 - 1, np.uint32)]
+    varied = np.arange(1024, dtype=np.int32)
+    varied_ends = np.zeros(1024, np.int32)
+    varied_ends[500] = 7   # first and last alike, the middle not
+    small = np.zeros(8, np.int32)
+    frame = Outbox().frame(Step(1, 0, tuple(map(Array.of, [*arrays, varied, varied_ends, small]))))
+    assert len(frame) < 2 * 4096 + 32 + 400   # the bytes of the last three only (the others: 2.3 MB)
+    received = Inbox().read(frame).leaves
+    for sent, got in zip([*arrays, varied, varied_ends, small], received):
+        value = got.value()
+        assert value.dtype == sent.dtype and value.shape == sent.shape
+        np.testing.assert_array_equal(value, sent)
+    assert [got.fill is not None for got in received] == [True] * len(arrays) + [False, False, False]
 
 
 def test_differences_name_each_field():

@@ -153,11 +153,15 @@ def test_a_follower_replays_steps_split_at_their_logits_to_the_leaders_pool_and_
     stepped = run(engine, requests)
     monkeypatch.setattr(engine, "config", config)
     monkeypatch.setattr(leader, "followers", follower)
+    compiled_before = set(leader._split_compiles)
     leader.reset_pool()   # sent to the follower: both start from an empty pool, no cached prefix
     engine.scheduler.clear_cache()
     first = run(engine, requests)
     leader.wait_compiled()
     follower.runner.wait_compiled()
+    started_here = set(leader._split_compiles) - compiled_before   # earlier tests compiled some
+    assert follower.kinds.count("CompileSplit") == len(started_here)
+    assert set(follower.runner._split_compiles) == follower.runner._split_ready == started_here
     follower.kinds.clear()
     overlapped = run(engine, requests)
 

@@ -3,8 +3,11 @@ replaced) and a leader-to-follower trip over loopback, with CURVE and without.
 
     python tools/bench_channel.py [--steps 300]
 
-The steps are empty steps of the default SmolLM2 layout (the arrays a real step of that bucket
-sends: mostly the [rows, max_model_len] token history of penalised rows).
+The steps are steps of the default SmolLM2 layout with every decode row taken by a sequence
+sampling at temperature 0.7, no penalties, masks or biases (the arrays a real step of that bucket
+sends; their [rows, max_model_len] token history and [rows, vocab / 32] masks are one value
+throughout, sent as that value alone). The framing time includes making the message from the
+step's arrays and the follower's arrays from it.
 """
 
 from __future__ import annotations
@@ -26,14 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve import distributed  # noqa: E402
 from jaxserve.device_calls import Array, Inbox, Outbox, Step  # noqa: E402
 from jaxserve.engine.batch import BatchLayout, Bucket  # noqa: E402
-from jaxserve.engine.scheduler_output import SchedulerOutput  # noqa: E402
+from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 BUCKETS = (Bucket(1, 0), Bucket(16, 0), Bucket(64, 0), Bucket(64, 4))
 
 
 def _step(layout: BatchLayout, bucket: Bucket):
-    batch, _ = layout.build(SchedulerOutput(()), bucket)
-    return batch, Step(bucket.num_decode, bucket.num_segments, tuple(map(Array.of, jax.tree.leaves(batch))))
+    params = SamplingParams(temperature=0.7)
+    decodes = tuple(ScheduledSequence(str(i), (5 + i,), 100 + i, tuple(range(1 + 16 * i, 17 + 16 * i)), True, params,
+                                      seed=i, num_output_tokens=3) for i in range(bucket.num_decode))
+    batch, _ = layout.build(SchedulerOutput(decodes), bucket)
+    return batch, _message(batch, bucket)
+
+
+def _message(batch, bucket: Bucket) -> Step:
+    return Step(bucket.num_decode, bucket.num_segments, tuple(map(Array.of, jax.tree.leaves(batch))))
 
 
 def _median_us(function, repeats: int) -> float:
@@ -50,7 +61,8 @@ def framing(layout: BatchLayout, repeats: int) -> None:
     for bucket in BUCKETS:
         batch, step = _step(layout, bucket)
         outbox, inbox = Outbox(), Inbox()
-        ours = _median_us(lambda: [a.value() for a in inbox.read(outbox.frame(step)).leaves], repeats)
+        ours = _median_us(lambda: [a.value() for a in inbox.read(outbox.frame(_message(batch, bucket))).leaves],
+                          repeats)
         theirs = _median_us(lambda: pickle.loads(pickle.dumps(("step", batch), pickle.HIGHEST_PROTOCOL)), repeats)
         size = len(Outbox().frame(step)) / 1024
         print(f"| {bucket.num_decode}x{bucket.num_segments} | {size:.0f} | {ours:.0f} | {theirs:.0f} | "

@@ -314,8 +314,6 @@ class Runner:
         elif bucket in self._split_ready:
             logits, prompt = self._run_logits(batch, bucket)
         else:
-            self._tell_followers(CompileSplit(bucket.num_decode, bucket.num_segments, bucket.decode_len,
-                                              self.model_index))
             self._compile_split(bucket)
         # A sequence with drafts has no one next token on the device: it is never a placeholder.
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
@@ -340,9 +338,10 @@ class Runner:
     def _compile_split(self, bucket: Bucket) -> None:
         """Traces `bucket`'s split programs here (over the live arrays and an empty step, as
         `warm_up` does: over several processes each places the same values) and compiles them on
-        a thread of their own, one bucket after another."""
+        a thread of their own, one bucket after another. Followers start theirs at the same time."""
         if bucket in self._split_compiles:
             return
+        self._tell_followers(CompileSplit(bucket.num_decode, bucket.num_segments, bucket.decode_len, self.model_index))
         batch = self._place(self._empty_step(bucket))
         forward = self._split_step[0].lower(self.model.params, self.kv_pages, self._sampled, self.lora, batch,
                                             score=False)
@@ -467,13 +466,12 @@ class Runner:
         """A step's arrays, as sent, back in a StepInput; they must be the shapes this runner built."""
         if bucket not in self._templates:
             leaves, treedef = jax.tree.flatten(self._empty_step(bucket))
-            self._templates[bucket] = treedef, [(leaf.shape, leaf.dtype) for leaf in leaves]
+            self._templates[bucket] = treedef, [(leaf.shape, leaf.dtype.str) for leaf in leaves]
         treedef, expected = self._templates[bucket]
-        leaves = [array.value() for array in arrays]
-        got = [(leaf.shape, leaf.dtype) for leaf in leaves]
+        got = [(tuple(array.shape), array.dtype) for array in arrays]   # checked before any is made
         if got != expected:
             raise ProtocolError(f"a step of bucket {bucket} with arrays {got}, where this engine builds {expected}")
-        return jax.tree.unflatten(treedef, leaves)
+        return jax.tree.unflatten(treedef, [array.value() for array in arrays])
 
     def _tell_followers(self, call: DeviceCall) -> None:
         if self.followers is not None:
