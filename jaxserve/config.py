@@ -66,8 +66,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False      # renormalise the k routing weights to sum to 1
-    # Gemma 2 / 3: layers whose attention is windowed (the rest see everything; empty: every layer
-    # when `sliding_window` is set), their RoPE base (None: `rope_theta`, unscaled otherwise)
+    # Gemma 2 / 3 (and Qwen with `use_sliding_window`): layers whose attention is windowed (the rest
+    # see everything; empty: every layer when `sliding_window` is set); Gemma 3: their RoPE base
+    # (None: `rope_theta`, unscaled otherwise)
     sliding_layers: tuple[bool, ...] = ()
     local_rope_theta: float | None = None
     gemma: bool = False               # RMSNorm by (1 + w), embeddings times sqrt(hidden), norms
@@ -125,7 +126,6 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=_context_length(hf, family.sliding_window or family.gemma),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or bool(hf.get("attention_bias", False)),
             o_bias=bool(hf.get("attention_bias", False)) and not family.qkv_bias,
@@ -133,7 +133,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             rope_scaling=scaling,
             rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
-            sliding_window=(hf.get("sliding_window") or None) if family.sliding_window or family.gemma else None,
+            **_read_window(hf, family),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
@@ -190,14 +190,26 @@ def _read_moe(hf: dict[str, Any]) -> dict[str, Any]:
                 shared_size=hf.get("shared_expert_intermediate_size") or 0)
 
 
-def _context_length(hf: dict[str, Any], sliding_window: bool) -> int:
-    # A family whose windows we do not apply (Qwen2's per-layer `max_window_layers`) is exact
-    # only within one window: cap there.
-    length = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window")
-    if window and hf.get("use_sliding_window", True) and not sliding_window:
-        length = min(length, window)
-    return length
+def _read_window(hf: dict[str, Any], family) -> dict[str, Any]:
+    """`sliding_window`, the context, and for Qwen the layers that take the window. Mistral,
+    Phi-3 and Mixtral window every layer; Gemma lists its layers (`_read_gemma`). Qwen windows
+    only with `use_sliding_window`, and then the layers `layer_types` names (dense Qwen 2 / 3
+    without it: those from `max_window_layers` on). A Qwen-MoE config without `layer_types`
+    (whose rule differs by model and transformers version) gets no window and its context is
+    capped there, where it is exact."""
+    window, length = hf.get("sliding_window") or None, hf.get("max_position_embeddings", 2048)
+    if family.sliding_window or family.gemma or window is None or not hf.get("use_sliding_window", False):
+        return dict(sliding_window=window if family.sliding_window or family.gemma else None,
+                    max_position_embeddings=length)
+    num_layers, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if types is None and family.moe:
+        return dict(sliding_window=None, max_position_embeddings=min(length, window))
+    if types is None:
+        types = ["sliding_attention" if i >= hf.get("max_window_layers", num_layers) else "full_attention"
+                 for i in range(num_layers)]
+    layers = tuple(t == "sliding_attention" for t in types)
+    return dict(sliding_window=window if any(layers) else None, max_position_embeddings=length,
+                sliding_layers=() if all(layers) or not any(layers) else layers)
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")

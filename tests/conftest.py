@@ -33,6 +33,9 @@ VARIANTS = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12)),   # < the tests' contexts
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    # the window (< the tests' contexts) on the second layer only: transformers' layer_types from max_window_layers
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=12,
+                                                             max_window_layers=1)),
     # LongRoPE past position 64 (the tests decode across it), 12 of 16 head dims rotated
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=64, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,

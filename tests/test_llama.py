@@ -12,7 +12,7 @@ from jaxserve.engine.step import compile_forward
 from jaxserve.models.layers.attention import backend_for
 from jaxserve.sampling_params import SamplingParams
 
-from conftest import VARIANTS
+from conftest import TINY as TINY_CONFIG, VARIANTS
 
 PAGE_SIZE = 4
 PROMPT_LEN = 37
@@ -91,6 +91,33 @@ def test_variants_read_their_family_switches(tiny_models):
     windowed = load_model(str(tiny_models("mistral_window")[0]), "float32")
     # the window is applied, so the context is the model's whole one, not capped at the window
     assert (windowed.config.sliding_window, windowed.config.max_position_embeddings) == (12, 512)
+    qwen_window = load_model(str(tiny_models("qwen2_window")[0]), "float32").config
+    assert (qwen_window.sliding_window, qwen_window.sliding_layers, qwen_window.max_position_embeddings) == (
+        12, (False, True), 512)
+    # a window that use_sliding_window leaves off (Qwen2.5's configs) is not applied
+    assert load_model(str(tiny_models("qwen2")[0]), "float32").config.sliding_window is None
+
+
+def test_qwen_windows_the_layers_its_config_names():
+    """Qwen windows only with use_sliding_window: the layers in layer_types, or (dense, without
+    them) those from max_window_layers on; a Qwen-MoE config without layer_types is capped at the
+    window instead, where it is exact."""
+    from jaxserve.config import ModelConfig
+
+    base = dict(TINY_CONFIG, architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, sliding_window=12,
+                max_window_layers=1, use_sliding_window=True)
+
+    def read(**changes):
+        config = ModelConfig.from_hf({**base, **changes})
+        return config.sliding_window, config.sliding_layers, config.max_position_embeddings
+
+    assert read() == (12, (False, True, True, True), 512)
+    assert read(layer_types=["sliding_attention"] * 3 + ["full_attention"]) == (12, (True, True, True, False), 512)
+    assert read(max_window_layers=0) == (12, (), 512)          # every layer: pages may be released
+    assert read(max_window_layers=4) == (None, (), 512)
+    assert read(use_sliding_window=False) == (None, (), 512)
+    assert read(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32) == (None, (), 12)
 
 
 def test_gemma_reads_its_switches(tiny_models):

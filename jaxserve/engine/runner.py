@@ -2,7 +2,9 @@
 
 The runner makes no policy decisions. It picks the smallest compiled shape (bucket) that holds a
 step, builds that step's arrays and calls the jitted step, whose KV pool is donated and returned.
-Every bucket is compiled at start-up (`warm_up`), so serving never compiles.
+Every bucket is compiled at start-up (`warm_up`), so serving never compiles, except for the
+split pairs that steps sampling for constrained sequences take (`_compile_split`, in the
+background) and programs that score prompt tokens.
 
 Over several processes (`jaxserve.distributed`), process 0's runner sends each device call's host
 inputs to `followers` first; the other processes' runners `replay` them, so every process makes
