@@ -198,9 +198,10 @@ def _read_window(hf: dict[str, Any], family) -> dict[str, Any]:
     (whose rule differs by model and transformers version) gets no window and its context is
     capped there, where it is exact."""
     window, length = hf.get("sliding_window") or None, hf.get("max_position_embeddings", 2048)
-    if family.sliding_window or family.gemma or window is None or not hf.get("use_sliding_window", False):
-        return dict(sliding_window=window if family.sliding_window or family.gemma else None,
-                    max_position_embeddings=length)
+    if family.sliding_window or family.gemma:
+        return dict(sliding_window=window, max_position_embeddings=length)
+    if window is None or not hf.get("use_sliding_window", False):
+        return dict(sliding_window=None, max_position_embeddings=length)
     num_layers, types = hf["num_hidden_layers"], hf.get("layer_types")
     if types is None and family.moe:
         return dict(sliding_window=None, max_position_embeddings=min(length, window))

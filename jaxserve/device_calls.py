@@ -46,13 +46,12 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
         if self.dtype not in _DTYPES:
             raise ProtocolError(f"array dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = np.dtype(self.dtype)
-        size = math.prod(self.shape) * dtype.itemsize
         if self.fill is not None:
             if any(n < 0 for n in self.shape) or len(self.data) or not _holds(dtype, self.fill):
                 raise ProtocolError(f"a {self.dtype} array of shape {self.shape} filled with {self.fill!r} "
                                     f"and {len(self.data)} bytes")
             return _full(tuple(self.shape), np.array(self.fill, dtype).tobytes(), dtype)
-        if any(n < 0 for n in self.shape) or size != len(self.data):
+        if any(n < 0 for n in self.shape) or math.prod(self.shape) * dtype.itemsize != len(self.data):
             raise ProtocolError(f"{len(self.data)} bytes do not make a {self.dtype} array of shape {self.shape}")
         return np.frombuffer(self.data, dtype).reshape(self.shape)
 
