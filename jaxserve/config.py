@@ -193,24 +193,32 @@ def _read_moe(hf: dict[str, Any]) -> dict[str, Any]:
 def _read_window(hf: dict[str, Any], family) -> dict[str, Any]:
     """`sliding_window`, the context, and for Qwen the layers that take the window. Mistral,
     Phi-3 and Mixtral window every layer; Gemma lists its layers (`_read_gemma`). Qwen windows
-    only with `use_sliding_window`, and then the layers `layer_types` names (dense Qwen 2 / 3
-    without it: those from `max_window_layers` on). A Qwen-MoE config without `layer_types`
-    (whose rule differs by model and transformers version) gets no window and its context is
-    capped there, where it is exact."""
+    only with `use_sliding_window`, and then the layers `_qwen_window_layers` names."""
     window, length = hf.get("sliding_window") or None, hf.get("max_position_embeddings", 2048)
     if family.sliding_window or family.gemma:
         return dict(sliding_window=window, max_position_embeddings=length)
     if window is None or not hf.get("use_sliding_window", False):
         return dict(sliding_window=None, max_position_embeddings=length)
-    num_layers, types = hf["num_hidden_layers"], hf.get("layer_types")
-    if types is None and family.moe:
-        return dict(sliding_window=None, max_position_embeddings=min(length, window))
-    if types is None:
-        types = ["sliding_attention" if i >= hf.get("max_window_layers", num_layers) else "full_attention"
-                 for i in range(num_layers)]
-    layers = tuple(t == "sliding_attention" for t in types)
+    layers = _qwen_window_layers(hf)
     return dict(sliding_window=window if any(layers) else None, max_position_embeddings=length,
                 sliding_layers=() if all(layers) or not any(layers) else layers)
+
+
+def _qwen_window_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+    """Which layers of a Qwen config with `use_sliding_window` are windowed, as transformers 5
+    reads it: Qwen3-MoE every layer (it reads no `layer_types`); the others the layers
+    `layer_types` names, and without it (configs written before transformers 5) Qwen2-MoE the
+    even layers below `max_window_layers` and dense Qwen those from `max_window_layers` on."""
+    num_layers = hf["num_hidden_layers"]
+    architecture = hf.get("architectures", [""])[0]
+    if architecture == "Qwen3MoeForCausalLM":
+        return (True,) * num_layers
+    if hf.get("layer_types") is not None:
+        return tuple(t == "sliding_attention" for t in hf["layer_types"])
+    below = hf.get("max_window_layers", num_layers)
+    if architecture == "Qwen2MoeForCausalLM":
+        return tuple(i % 2 == 0 and i < below for i in range(num_layers))
+    return tuple(i >= below for i in range(num_layers))
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")

@@ -46,6 +46,10 @@ VARIANTS = {
                                                             intermediate_size=32)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3,
                                                                 moe_intermediate_size=32, norm_topk_prob=True)),
+    # Qwen3-MoE windows every layer once use_sliding_window is on (it reads no layer_types)
+    "qwen3_moe_window": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        use_sliding_window=True, sliding_window=12)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                                                                 moe_intermediate_size=32,
                                                                 shared_expert_intermediate_size=48)),

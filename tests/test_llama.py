@@ -99,9 +99,8 @@ def test_variants_read_their_family_switches(tiny_models):
 
 
 def test_qwen_windows_the_layers_its_config_names():
-    """Qwen windows only with use_sliding_window: the layers in layer_types, or (dense, without
-    them) those from max_window_layers on; a Qwen-MoE config without layer_types is capped at the
-    window instead, where it is exact."""
+    """Qwen windows only with use_sliding_window: the layers in layer_types, or without them
+    (configs written before transformers 5) by each family's rule."""
     from jaxserve.config import ModelConfig
 
     base = dict(TINY_CONFIG, architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, sliding_window=12,
@@ -116,8 +115,14 @@ def test_qwen_windows_the_layers_its_config_names():
     assert read(max_window_layers=0) == (12, (), 512)          # every layer: pages may be released
     assert read(max_window_layers=4) == (None, (), 512)
     assert read(use_sliding_window=False) == (None, (), 512)
-    assert read(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
-                moe_intermediate_size=32) == (None, (), 12)
+    # the MoE families without layer_types, as transformers 5 reads them: Qwen3-MoE windows every
+    # layer (layer_types or not), Qwen2-MoE the even layers below max_window_layers
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert read(architectures=["Qwen3MoeForCausalLM"], **moe) == (12, (), 512)
+    assert read(architectures=["Qwen3MoeForCausalLM"], layer_types=["full_attention"] * 4, **moe) == (12, (), 512)
+    assert read(architectures=["Qwen2MoeForCausalLM"], max_window_layers=3, **moe) == (
+        12, (True, False, True, False), 512)
+    assert read(architectures=["Qwen2MoeForCausalLM"], max_window_layers=0, **moe) == (None, (), 512)
 
 
 def test_gemma_reads_its_switches(tiny_models):
