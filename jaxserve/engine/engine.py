@@ -591,17 +591,19 @@ class LLMEngine:
         order; a stop string ends the sample at the token that completes it, and drops the rest."""
         results, progress = [], {}
         for request_id, group in list(self._groups.items()):
-            touched = False
+            touched, streams = False, group.streams
             for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
                 if sample.request_id not in received:
                     continue
                 touched = True
                 run = received[sample.request_id]
+                run_logprobs = logprobs.get(sample.request_id)
+                constrained = sample.request_id in self._matchers
                 try:
                     for i, token in enumerate(run):
-                        if sample.request_id in logprobs:
-                            sample_logprobs.append(logprobs[sample.request_id][i])
-                        dead_end = self._constrain(sample, token)
+                        if run_logprobs is not None:
+                            sample_logprobs.append(run_logprobs[i])
+                        dead_end = constrained and self._constrain(sample, token)
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
                         if text.add(token):
@@ -610,6 +612,8 @@ class LLMEngine:
                     if sample.is_finished:
                         text.finish()
                         self._forget_masks(sample.request_id)
+                    elif streams:   # its output is made now: a tokenizer's failure fails it here
+                        text.catch_up()
                 except Exception as error:  # noqa: BLE001 - a tokenizer failing on one request fails it alone
                     log.exception("output of request %s failed", request_id)
                     group.error = f"making the output failed: {type(error).__name__}: {error}"
@@ -617,7 +621,7 @@ class LLMEngine:
                 group.first_token_time = time.monotonic()
             if group.error:
                 self._fail_group(group)
-            if touched and (group.streams or group.finished):
+            if touched and (streams or group.finished):
                 results.append(group.output(request_id))
                 if group.finished:
                     del self._groups[request_id]
@@ -637,9 +641,13 @@ class LLMEngine:
 
     def _fail_group(self, group: _Group) -> None:
         """Ends every sample of a request whose `error` is set; their pages return to the pool."""
-        for sample in group.samples:
+        for sample, text in zip(group.samples, group.texts):
             self._forget_masks(sample.request_id)
             self.scheduler.abort(sample.request_id, FinishReason.ERROR)
+            try:
+                text.catch_up()
+            except Exception:  # noqa: BLE001 - it fails already; its text stays as far as it got
+                pass
 
     def _forget_masks(self, sample_id: str) -> None:
         self._matchers.pop(sample_id, None)

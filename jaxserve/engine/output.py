@@ -61,39 +61,56 @@ class RequestMetrics:
 
 
 class SampleText:
-    """Text of one sample, grown token by token."""
+    """Text of one sample, grown token by token. Without stop strings nothing in the text can end
+    the sample, so its tokens are detokenised only when the text is read (`catch_up`): once per
+    output for a stream, once at the end for a request that asks for its final output only."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._held = ""
-        self.text = ""
+        self._pending: list[int] = []   # tokens added but not detokenised yet (no stop strings)
+        self._text = ""
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        self.catch_up()
+        return self._text
 
     def add(self, token_id: int) -> bool:
         """Adds a token's text; True if a stop string completed (the text then ends before it)."""
-        if not self.stopped:
+        if not self._stop:
+            self._pending.append(token_id)
+        elif not self.stopped:
             self.stopped = self._release(self._detokenizer.add(token_id), final=False)
         return self.stopped
 
+    def catch_up(self) -> None:
+        """Detokenises the tokens added since the text was last read."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._text += self._detokenizer.add(pending)
+
     def finish(self) -> None:
         """Releases whatever was held back, unless a stop string already ended the text."""
+        self.catch_up()
         if not self.stopped:
             self._release(self._detokenizer.flush(), final=True)
 
     def _release(self, piece: str, final: bool) -> bool:
         pending = self._held + piece
         if not self._stop:
-            self.text += pending
+            self._text += pending
             self._held = ""
             return False
         hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]
         if hits:
-            self.text += pending[:min(hits)]
+            self._text += pending[:min(hits)]
             self._held = ""
             return True
         keep = 0 if final else _longest_stop_prefix_suffix(pending, self._stop)
-        self.text += pending[:len(pending) - keep]
+        self._text += pending[:len(pending) - keep]
         self._held = pending[len(pending) - keep:]
         return False
 
