@@ -47,3 +47,23 @@ def test_partial_match_is_released_when_it_does_not_complete():
 @pytest.mark.parametrize("stops, expected", [(["b", "abc"], "xa"), (["zz"], "xabcd")])
 def test_earliest_stop_wins(stops, expected):
     assert feed("xabcd", stops)[0].text == expected
+
+
+def test_text_without_stop_strings_is_detokenised_when_read_and_equals_the_eager_text():
+    calls = []
+
+    class Counting(CharTokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            calls.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    lazy = SampleText(Counting(), (), skip_special_tokens=True)
+    eager = SampleText(CharTokenizer(), ("\x00",), skip_special_tokens=True)   # a stop that never comes
+    for i, ch in enumerate("héllo wörld"):
+        assert not lazy.add(ord(ch)) and not eager.add(ord(ch))
+        if i == 4:
+            assert not calls                           # nothing decoded while nobody reads it
+            assert lazy.text == eager.text == "héllo"  # read: caught up
+    lazy.finish()
+    eager.finish()
+    assert lazy.text == eager.text == "héllo wörld"

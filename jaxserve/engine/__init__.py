@@ -42,7 +42,8 @@
                                or max_tokens
         matcher.consume_token() moves each constrained sample's grammar on; a complete grammar
                                ends the sample (stop), a dead end fails its request
-        SampleText.add()       extends each sample's text; stop strings end it
+        SampleText.add()       extends each sample's text; stop strings end it (without stop
+                               strings, its tokens are detokenised only when an output is made)
         Runner.sample()        a step N+1 launched before N's read-back that samples for
                                constrained sequences ran only to its logits (step.logits_step):
                                their masks are filled now, and step.sample_step finishes it
