@@ -92,9 +92,10 @@ def compile_split_step(graphdef, attention, mesh: Mesh | None = None):
 
 def compiler_options(mesh: Mesh | None) -> dict[str, int] | None:
     """On a CPU, XLA's LLVM backend at optimisation level 1 instead of its default 3: the embedded
-    model's 12 step programs compiled in 18.2 s against 20.5-21.0 s, and ran as fast or faster
-    (anchor-64's first 32 requests: 90.8-91.1 out tok/s against 86.2-86.3, alternated; one stream
-    26.6 against 25.3). Level 0 compiled in 13.6 s but decoded one stream 6.5x slower."""
+    model's 12 step programs compiled in 19.3-19.4 s against 20.7 s, and ran as fast or faster
+    (anchor-64's first 32 requests: 90.4-94.5 out tok/s against 88.0-88.3; one stream 26.6
+    against 26.2-26.4; alternated runs). Level 0 compiled in 13.6 s but decoded 6.5x slower;
+    level 2 was level 1's equal."""
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     return {"xla_backend_optimization_level": 1} if platform == "cpu" else None
 
