@@ -197,26 +197,25 @@ def _read_window(hf: dict[str, Any], family) -> dict[str, Any]:
     window, length = hf.get("sliding_window") or None, hf.get("max_position_embeddings", 2048)
     if family.sliding_window or family.gemma:
         return dict(sliding_window=window, max_position_embeddings=length)
-    if window is None or not hf.get("use_sliding_window", False):
+    if not family.qwen_windows or window is None or not hf.get("use_sliding_window", False):
         return dict(sliding_window=None, max_position_embeddings=length)
-    layers = _qwen_window_layers(hf)
+    layers = _qwen_window_layers(hf, family.qwen_windows)
     return dict(sliding_window=window if any(layers) else None, max_position_embeddings=length,
                 sliding_layers=() if all(layers) or not any(layers) else layers)
 
 
-def _qwen_window_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+def _qwen_window_layers(hf: dict[str, Any], rule: str) -> tuple[bool, ...]:
     """Which layers of a Qwen config with `use_sliding_window` are windowed, as transformers 5
-    reads it: Qwen3-MoE every layer (it reads no `layer_types`); the others the layers
-    `layer_types` names, and without it (configs written before transformers 5) Qwen2-MoE the
-    even layers below `max_window_layers` and dense Qwen those from `max_window_layers` on."""
+    reads it (`Family.qwen_windows`): Qwen3-MoE every layer (it reads no `layer_types`); the
+    others the layers `layer_types` names, and without it (configs written before transformers
+    5) Qwen2-MoE the even layers below `max_window_layers`, dense Qwen those from it on."""
     num_layers = hf["num_hidden_layers"]
-    architecture = hf.get("architectures", [""])[0]
-    if architecture == "Qwen3MoeForCausalLM":
+    if rule == "all":
         return (True,) * num_layers
     if hf.get("layer_types") is not None:
         return tuple(t == "sliding_attention" for t in hf["layer_types"])
     below = hf.get("max_window_layers", num_layers)
-    if architecture == "Qwen2MoeForCausalLM":
+    if rule == "even_below_max":
         return tuple(i % 2 == 0 and i < below for i in range(num_layers))
     return tuple(i >= below for i in range(num_layers))
 

@@ -598,12 +598,11 @@ class LLMEngine:
                 touched = True
                 run = received[sample.request_id]
                 run_logprobs = logprobs.get(sample.request_id)
-                constrained = sample.request_id in self._matchers
                 try:
                     for i, token in enumerate(run):
                         if run_logprobs is not None:
                             sample_logprobs.append(run_logprobs[i])
-                        dead_end = constrained and self._constrain(sample, token)
+                        dead_end = self._constrain(sample, token)
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
                         if text.add(token):
