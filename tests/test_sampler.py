@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _past_candidates, _penalize, _truncate,
-                                    _truncate_by_bisection, argmax, gumbel_noise, row_seed, sample, sampling_tensors)
+                                    _truncate_by_bisection, argmax, gumbel_noise, row_seed, row_seeds, sample,
+                                    sampling_tensors)
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -138,6 +139,23 @@ def test_seeded_rows_ignore_their_neighbours():
 def test_row_seeds_differ_by_seed_and_token_index():
     seeds = {row_seed(s, i) for s in range(50) for i in range(50)}
     assert len(seeds) == 2500 and all(0 <= s < 2**32 for s in seeds)
+
+
+def splitmix64(seed: int, token_index: int) -> int:
+    """The reference, in Python's integers."""
+    mask = 2**64 - 1
+    z = (seed * 0x9E3779B97F4A7C15 + token_index + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+def test_row_seeds_are_splitmix64_of_the_seed_and_the_token_index():
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, 2**63 - 1, *(int(s) for s in rng.integers(0, 2**63, 200))]
+    indices = [0, -1, 5, *(int(i) for i in rng.integers(-8, 10_000, 200))]   # n > 1 draws at -1 - i
+    assert row_seeds(seeds, indices).tolist() == [splitmix64(s, i) for s, i in zip(seeds, indices)]
+    assert row_seeds(seeds, indices).dtype == np.uint32 and row_seed(seeds[2], 7) == splitmix64(seeds[2], 7)
 
 
 def test_padding_rows_are_greedy():

@@ -1,6 +1,7 @@
 """Host overhead of the engine loop: per step kind, the host milliseconds (schedule, prepare the
-step's arrays, update the requests, make the outputs) against the device milliseconds, and the
-share of wall time the device sat idle waiting for the host.
+step's arrays, read the tokens back and update the requests, make the outputs) against the device
+milliseconds (the wait for the step's tokens), and the share of wall time the device sat idle
+waiting for the host.
 
     python tools/bench_host.py                          # the embedded SmolLM2, 8/64/256 sequences
     python tools/bench_host.py --tiny --num-seqs 64     # a tiny random model with the real vocabulary

@@ -91,7 +91,8 @@ class StepTimes:
     masks: float       # the constrained sequences' allowed-token masks (structured outputs)
     prepare: float     # page copies launched, the step's host arrays built and sent, the step launched
     device: float      # waiting for its tokens to come back
-    update: float      # Scheduler.update: requests advanced, pages cached and freed
+    update: float      # its tokens read into Python (Runner.collect), then Scheduler.update: requests
+                       # advanced, pages cached and freed
     outputs: float     # detokenising, stop strings, RequestOutputs
 
     @property
@@ -130,21 +131,19 @@ class _Group:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)   # [i]: of prompt token i + 1
     sent: list[tuple[int, int]] = dataclasses.field(init=False)   # DELTA: per sample, (tokens, characters) sent
     has_output: bool = False   # an output was made (DELTA sends the prompt's logprobs in the first only)
+    # Whether it has an output at every step it moves. Not with best_of > n, where which samples
+    # are returned is known only at the end, nor when it asks for the final one only.
+    streams: bool = dataclasses.field(init=False)
 
     def __post_init__(self):
         self.logprobs = [[] for _ in self.samples]
         self.sent = [(0, 0)] * len(self.samples)
+        params = self.samples[0].params
+        self.streams = params.num_samples == params.n and params.output_kind != RequestOutputKind.FINAL_ONLY
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.samples)
-
-    @property
-    def streams(self) -> bool:
-        """Whether it has an output at every step it moves. Not with best_of > n, where which
-        samples are returned is known only at the end, nor when it asks for the final one only."""
-        params = self.samples[0].params
-        return params.num_samples == params.n and params.output_kind != RequestOutputKind.FINAL_ONLY
 
     def output(self, request_id: str) -> RequestOutput:
         params = self.samples[0].params
@@ -493,7 +492,8 @@ class LLMEngine:
         if output.is_empty:
             return None
         scheduled = time.perf_counter()
-        masks_later = ahead and any(s.samples and s.request_id in self._matchers for s in output.sequences)
+        masks_later = ahead and bool(self._matchers) and any(s.samples and s.request_id in self._matchers
+                                                             for s in output.sequences)
         if not masks_later:
             output = self._with_token_masks(output)
         masked = time.perf_counter()
@@ -531,7 +531,6 @@ class LLMEngine:
             result = self.runner.collect(launched.step)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the engine down
             return self._fail_step(output, error)
-        executed = time.perf_counter()
         sampled, logprobs, non_finite = result.tokens, result.logprobs, result.non_finite
         self._take_prompt_logprobs(result.prompt_logprobs)
         # Before update: their chunk's pages must not reach the prefix cache.
@@ -543,8 +542,8 @@ class LLMEngine:
             prepare = launched.step.prepare_s
             self.step_observer(StepTimes(
                 _step_kind(output), len(output.sequences), sum(s.num_tokens for s in output.sequences),
-                launched.schedule_s, launched.masks_s, prepare, executed - waiting,
-                updated - executed, time.perf_counter() - updated))
+                launched.schedule_s, launched.masks_s, prepare, result.wait_s,
+                updated - waiting - result.wait_s, time.perf_counter() - updated))
         return results
 
     def _take_prompt_logprobs(self, found: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
@@ -561,6 +560,8 @@ class LLMEngine:
     def _with_token_masks(self, output: SchedulerOutput) -> SchedulerOutput:
         """The step with the allowed-token mask of each sequence that samples in it under a grammar
         (structured outputs) or allowed_token_ids, or both (then a token must pass both)."""
+        if not self._matchers and not self._allowed:
+            return output
         sampling = [s.request_id for s in output.sequences if s.samples]
         constrained = [i for i in sampling if i in self._matchers]
         masks = {}
@@ -591,13 +592,13 @@ class LLMEngine:
         order; a stop string ends the sample at the token that completes it, and drops the rest."""
         results, progress = [], {}
         for request_id, group in list(self._groups.items()):
-            touched, streams = False, group.streams
+            touched, ended, streams = False, False, group.streams
             for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
-                if sample.request_id not in received:
+                run = received.get(sample.request_id)
+                if run is None:
                     continue
                 touched = True
-                run = received[sample.request_id]
-                run_logprobs = logprobs.get(sample.request_id)
+                run_logprobs = logprobs.get(sample.request_id) if logprobs else None
                 try:
                     for i, token in enumerate(run):
                         if run_logprobs is not None:
@@ -609,6 +610,7 @@ class LLMEngine:
                             self._stop_at(sample, len(run) - 1 - i)
                             break
                     if sample.is_finished:
+                        ended = True
                         text.finish()
                         self._forget_masks(sample.request_id)
                     elif streams:   # its output is made now: a tokenizer's failure fails it here
@@ -620,7 +622,9 @@ class LLMEngine:
                 group.first_token_time = time.monotonic()
             if group.error:
                 self._fail_group(group)
-            if touched and (streams or group.finished):
+                ended = True
+            # A group ends when the last of its samples does, so only a step that ended one can end it.
+            if touched and (streams or ended and group.finished):
                 results.append(group.output(request_id))
                 if group.finished:
                     del self._groups[request_id]

@@ -112,12 +112,14 @@ class Request:
     def append_token(self, token: int) -> None:
         """Records a sampled token (in place of its placeholder, if it has one) and finishes the
         request if it is a stopping one."""
-        self.num_placeholders = max(0, self.num_placeholders - 1)
+        if self.num_placeholders:
+            self.num_placeholders -= 1
         self.output_token_ids.append(token)
         num_out = len(self.output_token_ids)
         p = self.params
         if num_out >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.finish(FinishReason.STOP)
-        elif (p.max_tokens is not None and num_out >= p.max_tokens) or self.num_known_tokens >= self.max_total_tokens:
+        elif ((p.max_tokens is not None and num_out >= p.max_tokens)
+              or len(self.prompt_token_ids) + num_out >= self.max_total_tokens):   # num_known_tokens
             self.finish(FinishReason.LENGTH)

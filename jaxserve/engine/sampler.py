@@ -60,11 +60,19 @@ class Samples:
 
 
 def row_seed(seed: int, token_index: int) -> int:
-    """A 32-bit seed for sampling token `token_index` of a request seeded with `seed` (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + token_index + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0xFFFFFFFF
+    """A 32-bit seed for sampling token `token_index` of a request seeded with `seed`."""
+    return int(row_seeds([seed], [token_index])[0])
+
+
+def row_seeds(seeds, token_indices) -> np.ndarray:
+    """`row_seed` of each (seed, token index) pair, as uint32: splitmix64, a column at a time (256
+    rows: 0.02 ms, 0.11 ms one by one). Seeds are in [0, 2**63); an index may be negative."""
+    u64 = np.uint64
+    z = (np.asarray(seeds, u64) * u64(0x9E3779B97F4A7C15)
+         + np.asarray(token_indices, np.int64).astype(u64) + u64(1))   # wraps as the 64-bit hash does
+    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    return (z ^ (z >> u64(31))).astype(np.uint32)
 
 
 def sample(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None = None,
@@ -312,7 +320,7 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
         top_k[present] = [p.top_k for p in params]
         top_p[present] = [p.top_p for p in params]
         min_p[present] = [p.min_p for p in params]
-        seed[present] = [row_seed(rows[i].seed, rows[i].num_output_tokens) for i in present]
+        seed[present] = row_seeds([rows[i].seed for i in present], [rows[i].num_output_tokens for i in present])
         logprobs[present] = [p.logprobs is not None or p.num_samples > p.n for p in params]
     for i in biased:   # what few rows have
         row = rows[i]
@@ -334,7 +342,8 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
 def allowed_rows(rows: list, num_rows: int, token_masks: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
     """SamplingTensors.allowed for `num_rows` rows from `rows` (as `sampling_tensors` takes them):
     the packed mask of each row whose id has one in `token_masks`, all bits set elsewhere."""
-    masked = [i for i, row in enumerate(rows) if row is not None and row.request_id in token_masks]
+    masked = ([i for i, row in enumerate(rows) if row is not None and row.request_id in token_masks]
+              if token_masks else [])
     allowed = _filled((num_rows, mask_width(vocab_size)), -1, masked)
     for i in masked:
         allowed[i] = token_masks[rows[i].request_id]
