@@ -42,7 +42,7 @@ def test_each_slice_has_its_own_pages_and_page_zero():
     s.add(request("a", 9))
     s.add(request("b", 9))
     out, _ = run_step(s)
-    tables = {q.request_id: q.block_table for q in out.sequences}
+    tables = {q.request_id: list(q.block_table) for q in out.sequences}
     assert tables["a"] == tables["b"]      # local page ids: the same numbers, different slices
     assert 0 not in tables["a"] and max(tables["a"]) < PAGES
     assert [a.num_usable_pages - a.num_free_pages for a in (sl.allocator for sl in s.slices)] == [3, 3]

@@ -1,6 +1,7 @@
 """PageAllocator: never hands out a page twice, every page comes back, cached pages are shared,
 copied before they are written, and evicted least recently released first, never while live."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,6 +100,29 @@ def test_caching_off_matches_nothing():
     assert allocator.match_prefix("b", hashes) == 0 and allocator.num_cached_pages == 0
 
 
+def test_a_table_snapshot_is_made_anew_exactly_when_its_table_changes():
+    allocator = PageAllocator(num_pages=12, page_size=4, enable_caching=False)
+    allocator.allocate("a", 5)
+    first = allocator.table_snapshot("a")
+    assert first.tolist() == [1, 2] and first.dtype == np.int32 and not first.flags.writeable
+    allocator.allocate("a", 8)                        # the same two pages
+    assert allocator.table_snapshot("a") is first
+    allocator.fork("a", "b", 8)
+    changes = [lambda: allocator.allocate("a", 13),            # a page added
+               lambda: allocator.allocate("b", 8, write_from=6),   # a shared page copied on write
+               lambda: allocator.truncate("a", 9),
+               lambda: allocator.release_before("a", 4)]
+    for change in changes:
+        before = {seq: allocator.table_snapshot(seq) for seq in ("a", "b")}
+        change()
+        for seq in ("a", "b"):
+            now = allocator.table_snapshot(seq)
+            assert now.tolist() == allocator.block_table(seq)
+            assert (now is before[seq]) == (now.tolist() == before[seq].tolist())
+    allocator.free("a")
+    assert allocator.table_snapshot("a").tolist() == []
+
+
 def test_too_small_pool_is_refused():
     with pytest.raises(ValueError, match="num_pages=1"):
         PageAllocator(num_pages=1, page_size=16)
@@ -132,6 +156,7 @@ class Model:
         for seq_id, tokens in self.tokens.items():
             table = self.allocator.block_table(seq_id)
             assert len(table) == self.allocator.pages_for(len(tokens))
+            assert self.allocator.table_snapshot(seq_id).tolist() == table   # kept from the last check if unchanged
             for index, page in enumerate(table):
                 assert page != 0
                 assert self.content[page][:len(tokens[index * size:(index + 1) * size])] == tuple(

@@ -136,9 +136,10 @@ class BatchLayout:
             tables = [s.block_table for s in decodes]
             token_ids[at] = [s.token_ids[0] for s in decodes]
             positions[at] = pos
-            slots[at] = [t[p // ps] * ps + p % ps for t, p in zip(tables, pos)]
             for i, table in enumerate(tables):
                 decode.block_tables[i, :len(table)] = table
+            pages = decode.block_tables[np.arange(len(decodes)), positions[at] // ps]
+            slots[at] = pages * ps + positions[at] % ps
             decode.used = len(decodes)
             decode.num_chunks = self.num_chunks(max(pos, default=-1) + 1)
             placeholders = [i for i, s in enumerate(decodes) if s.placeholder]

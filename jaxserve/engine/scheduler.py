@@ -340,7 +340,7 @@ class Scheduler:
         num_output_tokens = request.num_output_tokens
         sequence = ScheduledSequence(
             request.request_id, (0,) if placeholder else (*request.token_slice(start, start + num_tokens), *drafts),
-            start, tuple(self.allocator.block_table(request.request_id)), start + num_tokens == request.num_tokens,
+            start, self.allocator.table_snapshot(request.request_id), start + num_tokens == request.num_tokens,
             p, request.seed, num_output_tokens)
         # What few sequences have is set apart: the usual decode's eight fields given by position
         # took 0.25 us, all sixteen by keyword 0.84 us (256 sequences a step).

@@ -18,7 +18,7 @@ class ScheduledSequence:
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int
-    block_table: tuple[int, ...]
+    block_table: Sequence[int]    # the allocator's read-only int32 snapshot (PageAllocator.table_snapshot)
     samples: bool                 # the chunk reaches the sequence's end, so a token is sampled
     params: SamplingParams
     seed: int
