@@ -127,7 +127,7 @@ class BatchLayout:
         chunks = []   # (first packed token, tokens, context length, pages) of each sequence: ragged rows
         decodes, others = [], []
         for s in sequences:
-            (decodes if s.num_tokens == 1 or s.draft_token_ids else others).append(s)   # is_decode
+            (decodes if is_decode(s) else others).append(s)
         if _single_tokens(decodes):
             # The usual step: one token each. Laid out a column at a time, in the order the loop
             # below would give them rows (256 decodes: ~4 ms row by row, ~0.5 ms by columns).
