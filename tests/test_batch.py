@@ -29,7 +29,7 @@ def random_step(rng, num_slices: int):
         sequences.append(ScheduledSequence(
             f"r{i}", tuple(int(t) for t in rng.integers(0, VOCAB, tokens)), start, table,
             bool(rng.random() < 0.8), params[i % 3], seed=i, num_output_tokens=i % 4,
-            prompt_token_ids=(1, 2), output_token_ids=(5,), data_slice=int(rng.integers(0, num_slices)),
+            history=(1, 2, 5), num_prompt_tokens=2, data_slice=int(rng.integers(0, num_slices)),
             prompt_targets=targets, placeholder=placeholder))
         if placeholder:
             previous[f"r{i}"] = int(rng.integers(0, 8))

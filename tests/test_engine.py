@@ -517,3 +517,20 @@ def test_a_windowed_model_returns_pages_behind_the_window_and_keeps_transformers
             reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
                                           do_sample=False)[0, len(prompt):].tolist()
         assert [o.token_ids for o in finished[request_id].outputs] == [reference] * len(finished[request_id].outputs)
+
+
+def test_repetition_penalty_keeps_transformers_tokens(engine, tiny_models):
+    """A penalised request's history (prompt then outputs) is extended in place step by step
+    (Request.known_token_array), past its buffer's first 64 tokens: greedy tokens are transformers'
+    own under its RepetitionPenaltyLogitsProcessor, which also counts the prompt."""
+    import torch
+
+    hf_model = tiny_models("llama")[1]
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.5)
+    penalized = generate(engine, prompt, params)[0].token_ids
+    with torch.no_grad():
+        reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                      repetition_penalty=1.5)[0, len(prompt):].tolist()
+    assert penalized == reference
+    assert penalized != generate(engine, prompt, dataclasses.replace(params, repetition_penalty=1.0))[0].token_ids

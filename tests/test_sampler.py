@@ -18,7 +18,8 @@ _sample_jit = jax.jit(sample)
 
 
 def row(params, seed=0, token_index=0, prompt=(), output=(), suppressed=()):
-    return ScheduledSequence("r", (1,), 0, (1,), True, params, seed, token_index, prompt, output, suppressed)
+    return ScheduledSequence("r", (1,), 0, (1,), True, params, seed, token_index, (*prompt, *output), len(prompt),
+                             suppressed)
 
 
 def tensors(rows, num_rows, vocab):

@@ -228,8 +228,9 @@ def draft_row(s: ScheduledSequence, i: int) -> ScheduledSequence:
     when it is penalised, its output as if those drafts were its tokens."""
     if i == 0:
         return s
-    outputs = (*s.output_token_ids, *s.draft_token_ids[:i]) if s.params.penalizes else ()
-    return dataclasses.replace(s, num_output_tokens=s.num_output_tokens + i, output_token_ids=outputs)
+    history = np.concatenate((np.asarray(s.history, np.int32), np.asarray(s.draft_token_ids[:i], np.int32))) \
+        if s.params.penalizes else ()
+    return dataclasses.replace(s, num_output_tokens=s.num_output_tokens + i, history=history)
 
 
 class _GroupArrays:

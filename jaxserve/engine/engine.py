@@ -640,7 +640,7 @@ class LLMEngine:
         are dropped. (One that ends at the run's last token keeps a finish the scheduler gave it.)"""
         if self.scheduler.abort(sample.request_id, FinishReason.STOP) is None and num_after:
             sample.finish(FinishReason.STOP)   # the scheduler ended it later in the run
-        del sample.output_token_ids[len(sample.output_token_ids) - num_after:]
+        sample.drop_last_outputs(num_after)
 
     def _fail_group(self, group: _Group) -> None:
         """Ends every sample of a request whose `error` is set; their pages return to the pool."""

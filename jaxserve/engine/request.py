@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import time
 
+import numpy as np
+
 from jaxserve.engine.page_allocator import page_hashes
 from jaxserve.sampling_params import SamplingParams
 
@@ -57,6 +59,8 @@ class Request:
     steps_waited: int = 0           # scheduling steps spent waiting, over the request's life
     promoted: bool = False          # waited long enough to outrank every priority
     _page_hashes: list[bytes] = dataclasses.field(default_factory=list, init=False, repr=False)
+    _known: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int32), init=False, repr=False)
+    _num_known_filled: int = dataclasses.field(default=0, init=False, repr=False)   # of _known
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +97,30 @@ class Request:
         if stop <= prompt_len:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - prompt_len]
+
+    def known_token_array(self) -> np.ndarray:
+        """Prompt then output token ids, as a read-only int32 view of a buffer extended in place as
+        outputs arrive (a penalised request's sampling history: read from the lists anew every
+        step, 256 rows of 1,056 tokens took 5.3 ms a step)."""
+        n, filled, prompt_len = self.num_known_tokens, self._num_known_filled, len(self.prompt_token_ids)
+        if n > len(self._known):   # grown by doubling: a copy once in as many tokens as it holds
+            grown = np.empty(max(n, 2 * len(self._known), 64), np.int32)
+            grown[:filled] = self._known[:filled]
+            self._known = grown
+        if filled < prompt_len:
+            self._known[filled:prompt_len] = self.prompt_token_ids[filled:]
+            filled = prompt_len
+        if filled < n:
+            self._known[filled:n] = self.output_token_ids[filled - prompt_len:]
+        self._num_known_filled = n
+        view = self._known[:n]
+        view.flags.writeable = False
+        return view
+
+    def drop_last_outputs(self, num: int) -> None:
+        """Removes the last `num` output tokens (a stop string ended the request before them)."""
+        del self.output_token_ids[len(self.output_token_ids) - num:]
+        self._num_known_filled = min(self._num_known_filled, self.num_known_tokens)
 
     def page_hashes(self, page_size: int) -> list[bytes]:
         """Prefix-cache hashes of the full pages of prompt + output (grown as tokens arrive)."""

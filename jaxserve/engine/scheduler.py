@@ -348,7 +348,7 @@ class Scheduler:
         if drafts:
             sequence.draft_token_ids = drafts
         if p.penalizes:
-            sequence.prompt_token_ids, sequence.output_token_ids = request.prompt_token_ids, request.output_token_ids
+            sequence.history, sequence.num_prompt_tokens = request.known_token_array(), len(request.prompt_token_ids)
         if num_output_tokens < p.min_tokens:
             sequence.suppressed_token_ids = (*(() if p.ignore_eos else request.eos_token_ids), *p.stop_token_ids)
         if p.prompt_logprobs is not None:

@@ -24,8 +24,9 @@ class ScheduledSequence:
     params: SamplingParams
     seed: int
     num_output_tokens: int        # outputs so far: the sample's index, folded into its seed
-    prompt_token_ids: Sequence[int] = ()       # given only when the params penalise repetitions
-    output_token_ids: Sequence[int] = ()       # likewise
+    history: Sequence[int] = ()   # prompt then output token ids (placeholder excluded), given only
+                                  # when the params penalise repetitions: Request.known_token_array
+    num_prompt_tokens: int = 0    # how many of `history` are the prompt's
     suppressed_token_ids: tuple[int, ...] = () # EOS and stop ids, masked while below min_tokens
     data_slice: int = 0           # which data-parallel slice (and its part of the KV pool) runs it
     prompt_targets: tuple[int, ...] = ()   # prompt_logprobs: the prompt token each of the first tokens
