@@ -200,7 +200,7 @@ class BatchLayout:
         for i in range(num_slices):
             row = i * slice_tokens
             for s in output.sequences:
-                if num_slices == 1 or s.data_slice == i:
+                if s.prompt_targets and (num_slices == 1 or s.data_slice == i):   # few have them
                     found += [(s.request_id, s.start_position + j, row + j) for j in range(len(s.prompt_targets))]
                     row += len(s.prompt_targets)
         return found
