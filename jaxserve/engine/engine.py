@@ -148,9 +148,10 @@ class _Group:
     def output(self, request_id: str) -> RequestOutput:
         params = self.samples[0].params
         delta = params.output_kind == RequestOutputKind.DELTA
+        finished = self.finished
         outputs = [self._sample_output(i, delta) for i in range(len(self.samples))]
         if params.num_samples != params.n:
-            best = sorted(outputs, key=_likelihood, reverse=True)[:params.n] if self.finished else []
+            best = sorted(outputs, key=_likelihood, reverse=True)[:params.n] if finished else []
             outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
         scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
         metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
@@ -158,7 +159,7 @@ class _Group:
         if params.prompt_logprobs is not None and not (delta and self.has_output):   # vLLM's shape: the first
             prompt_logprobs = [None, *self.prompt_logprobs]                          # token has none
         self.has_output = True
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.error,
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.error,
                              metrics, self.samples[0].num_cached_tokens, prompt_logprobs, self.error_param)
 
     def _sample_output(self, i: int, delta: bool) -> CompletionOutput:
@@ -603,7 +604,7 @@ class LLMEngine:
                     for i, token in enumerate(run):
                         if run_logprobs is not None:
                             sample_logprobs.append(run_logprobs[i])
-                        dead_end = self._constrain(sample, token)
+                        dead_end = self._constrain(sample, token) if self._matchers else None
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
                         if text.add(token):
