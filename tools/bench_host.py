@@ -18,8 +18,9 @@ llguidance spends filling the allowed-token masks; `--structured 8`: every 8th r
 Under async scheduling such a step is launched up to its logits and sampled once the grammars
 have the last token, by two programs per bucket compiled on first use: a first, untimed pass of
 the same requests compiles them.
-Each run reports the garbage collector's pauses; the start-up heap is frozen as a server's is
-(`--unfrozen`: each run again without). `--scheduler-only`: `schedule` and `update` alone, no model.
+Each run reports the garbage collector's pauses; the start-up heap is frozen and young objects
+collected less often, as a server's are (`--unfrozen`: each run again with Python's settings).
+`--scheduler-only`: `schedule` and `update` alone, no model.
 `--server`: the requests go through `AsyncEngine` with the server's metrics, and each is read as the
 server reads a reply: a final-only one (a reply sent whole) awaits its output, a cumulative or
 delta one (a stream) goes through `serving.merged` and `TextDeltas` on the event loop, which takes
@@ -107,6 +108,7 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
         _run_offline(engine, requests)
         engine.runner.wait_compiled()
         print(f"(a first pass of the same requests, with the split steps compiling: {time.perf_counter() - started:.2f} s)")
+    threshold = gc.get_threshold()
     if freeze:
         freeze_startup_heap()   # as a server does once started
     pauses = _GCPauses()
@@ -121,6 +123,7 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()   # the next run's engine replaces this one: the collector may take it
+        gc.set_threshold(*threshold)   # and an --unfrozen run has Python's
     return times, time.perf_counter() - started, startup, engine.model, pauses
 
 
