@@ -268,7 +268,7 @@ def test_step_observer_is_told_where_each_step_went(engine):
     assert [t.kind for t in times] == ["prefill", "decode", "decode", "decode"]
     assert [t.num_tokens for t in times] == [40, 1, 1, 1]
     for t in times:
-        assert min(t.schedule, t.prepare, t.update, t.outputs) >= 0 and t.device > 0
+        assert min(t.schedule, t.prepare, t.launch, t.update, t.outputs) >= 0 and t.device > 0
     # The parts are disjoint slices of the loop's wall time.
     assert sum(t.host + t.device for t in times) <= wall
 

@@ -81,7 +81,7 @@ class EngineStats:
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
     """Where one step's host time went, in seconds (`LLMEngine.step_observer`). Under async
-    scheduling the device runs the step before (schedule, masks, prepare) or the step after
+    scheduling the device runs the step before (schedule, masks, prepare, launch) or the step after
     (update, outputs) meanwhile; `device` is the time the host waited for this step's tokens."""
 
     kind: str          # "decode" (every sequence computes one token), "prefill" (none does), "mixed"
@@ -89,7 +89,9 @@ class StepTimes:
     num_tokens: int
     schedule: float    # Scheduler.schedule
     masks: float       # the constrained sequences' allowed-token masks (structured outputs)
-    prepare: float     # page copies launched, the step's host arrays built and sent, the step launched
+    prepare: float     # page copies launched, the step's host arrays built
+    launch: float      # its arrays sent and its program called (Runner.launch's device calls; XLA:CPU runs
+                       # part of the step on the calling thread before the call returns)
     device: float      # waiting for its tokens to come back
     update: float      # its tokens read into Python (Runner.collect), then Scheduler.update: requests
                        # advanced, pages cached and freed
@@ -97,7 +99,7 @@ class StepTimes:
 
     @property
     def host(self) -> float:
-        return self.schedule + self.masks + self.prepare + self.update + self.outputs
+        return self.schedule + self.masks + self.prepare + self.launch + self.update + self.outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,10 +542,10 @@ class LLMEngine:
         updated = time.perf_counter()
         results += self._outputs({r.request_id: run for r, run in advanced.items()}, logprobs)
         if self.step_observer is not None:
-            prepare = launched.step.prepare_s
+            step = launched.step
             self.step_observer(StepTimes(
                 _step_kind(output), len(output.sequences), sum(s.num_tokens for s in output.sequences),
-                launched.schedule_s, launched.masks_s, prepare, result.wait_s,
+                launched.schedule_s, launched.masks_s, step.prepare_s, step.launch_s, result.wait_s,
                 updated - waiting - result.wait_s, time.perf_counter() - updated))
         return results
 

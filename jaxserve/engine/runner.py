@@ -133,7 +133,10 @@ class LaunchedStep:
     rows: list[ScheduledSequence | None]    # the sequence sampled at each logit row
     samples: object                         # Samples, on the device
     prompt: object                          # PromptLogprobs, on the device
-    prepare_s: float                        # seconds to launch it: page copies, host arrays, sending them
+    prepare_s: float                        # seconds to lay it out: page copies made, host arrays built
+    launch_s: float                         # seconds of its device calls: its arrays sent and placed, its
+                                            # program called (on XLA:CPU the call runs part of the step on
+                                            # the calling thread before it returns)
     logits: tuple | None = None             # launched with `masks_later` and not sampled yet: (logits, input
                                             # tokens) on the device, or None if nothing was launched yet (its
                                             # bucket's split still compiling)
@@ -311,6 +314,7 @@ class Runner:
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
         batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows)
+        built = time.perf_counter()
         samples = prompt = logits = None
         if not masks_later:
             samples, prompt = self._run_step(batch, bucket)
@@ -318,10 +322,12 @@ class Runner:
             logits, prompt = self._run_logits(batch, bucket)
         else:
             self._compile_split(bucket)
+        launched = time.perf_counter()
         # A sequence with drafts has no one next token on the device: it is never a placeholder.
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(rows) if seq is not None
                               and not seq.draft_token_ids}
-        return LaunchedStep(output, bucket, batch, rows, samples, prompt, time.perf_counter() - started, logits)
+        return LaunchedStep(output, bucket, batch, rows, samples, prompt,
+                            built - started + time.perf_counter() - launched, launched - built, logits)
 
     def sample(self, step: LaunchedStep, token_masks: dict[str, np.ndarray]) -> LaunchedStep:
         """Samples a step launched with `masks_later`, with each constrained sequence's packed
@@ -330,13 +336,15 @@ class Runner:
         allowed = allowed_rows(step.rows, len(step.rows), token_masks, self.model.config.vocab_size)
         batch = step.batch.replace(sampling=step.batch.sampling.replace(allowed=allowed))
         prompt = step.prompt
+        built = time.perf_counter()
         if step.logits is None:
             samples, prompt = self._run_step(batch, step.bucket)
         else:
             self._tell_followers(StepSample(Array.of(allowed), self.model_index))
             samples = self._run_sampling(step.logits, batch.sampling)
         return dataclasses.replace(step, batch=batch, samples=samples, prompt=prompt, logits=None,
-                                   prepare_s=step.prepare_s + time.perf_counter() - started)
+                                   prepare_s=step.prepare_s + built - started,
+                                   launch_s=step.launch_s + time.perf_counter() - built)
 
     def _compile_split(self, bucket: Bucket) -> None:
         """Traces `bucket`'s split programs here (over the live arrays and an empty step, as
