@@ -1,9 +1,9 @@
 """Host overhead of the engine loop: per step kind, the host milliseconds (schedule, prepare the
 step's arrays, launch it, read the tokens back and update the requests, make the outputs) against
 the device milliseconds (the wait for the step's tokens), and the share of wall time the device sat
-idle waiting for the host. `launch` is the device calls' time on the engine thread: on a CPU,
-XLA runs part of the step there before the call returns (256 decodes: ~1.5 ms where a trivial
-program over the same arguments takes 0.04 ms), which an accelerator does not.
+idle waiting for the host. `launch` is the device calls' time on the engine thread: on a CPU
+mostly XLA:CPU's own (256 decodes: 0.7-1.7 ms back to back, 2.4-3.3 ms after an idle spell,
+where a trivial program over the same arguments takes 0.04 ms; README, "bench_host").
 
     python tools/bench_host.py                          # the embedded SmolLM2, 8/64/256 sequences
     python tools/bench_host.py --tiny --num-seqs 64     # a tiny random model with the real vocabulary

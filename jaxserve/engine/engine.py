@@ -90,8 +90,8 @@ class StepTimes:
     schedule: float    # Scheduler.schedule
     masks: float       # the constrained sequences' allowed-token masks (structured outputs)
     prepare: float     # page copies launched, the step's host arrays built
-    launch: float      # its arrays sent and its program called (Runner.launch's device calls; XLA:CPU runs
-                       # part of the step on the calling thread before the call returns)
+    launch: float      # its arrays sent and its program called (Runner.launch's device calls; on a CPU
+                       # mostly XLA:CPU's own time before the call returns: README, "bench_host")
     device: float      # waiting for its tokens to come back
     update: float      # its tokens read into Python (Runner.collect), then Scheduler.update: requests
                        # advanced, pages cached and freed

@@ -135,8 +135,7 @@ class LaunchedStep:
     prompt: object                          # PromptLogprobs, on the device
     prepare_s: float                        # seconds to lay it out: page copies made, host arrays built
     launch_s: float                         # seconds of its device calls: its arrays sent and placed, its
-                                            # program called (on XLA:CPU the call runs part of the step on
-                                            # the calling thread before it returns)
+                                            # program called (on a CPU mostly XLA:CPU's own time)
     logits: tuple | None = None             # launched with `masks_later` and not sampled yet: (logits, input
                                             # tokens) on the device, or None if nothing was launched yet (its
                                             # bucket's split still compiling)
