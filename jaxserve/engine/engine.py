@@ -606,7 +606,7 @@ class LLMEngine:
                     for i, token in enumerate(run):
                         if run_logprobs is not None:
                             sample_logprobs.append(run_logprobs[i])
-                        dead_end = self._constrain(sample, token) if self._matchers else None
+                        dead_end = self._constrain(sample, token)
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
                         if text.add(token):
