@@ -7,20 +7,27 @@ protocol version and its place in the sender's sequence; a frame of another vers
 order, or that does not decode as one of these kinds is a `ProtocolError`, never acted on.
 Arrays travel as dtype, shape and raw bytes, their dtype one of a fixed few; an array whose
 elements are all one value (a step's unused token history, masks or biases: most of its bytes)
-travels as that value alone.
+travels as that value alone. A step's arrays travel as changes to the step's before them where
+that is fewer bytes (`StepArrays`): from one decode step to the next, block tables change once in
+a page's worth of tokens and a penalised row's history by one token.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2   # 2: steps run to their logits, sampled by a later call (StepSample)
+PROTOCOL_VERSION = 3   # 2: steps run to their logits, sampled by a later call (StepSample);
+                       # 3: a step's arrays as changes to the step's before (StepArrays)
 _DTYPES = frozenset(np.dtype(t).str for t in (np.bool_, np.int8, np.int32, np.uint32, np.int64, np.float32))
 _FILL_MIN_BYTES = 1024   # smaller arrays travel as bytes: checking them costs more than it saves
+_CHANGES_MIN_BYTES = 64 * 1024   # smaller ones are not compared with the step before's: for a 32 KiB
+                                 # block table finding and applying its changes cost about what its
+                                 # bytes took on a trip over loopback (tools/bench_channel.py)
 
 
 class ProtocolError(RuntimeError):
@@ -33,19 +40,35 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
     data: memoryview           # no copy: the array's own buffer, and on decoding a view of the frame;
                                # empty when `fill` is set
     fill: bool | int | float | None = None   # every element's value, sent instead of the bytes
+    changed: memoryview | None = None        # int32 flat indices of the elements that differ from the
+                                             # array before (StepArrays); `data`: their new values
 
     @classmethod
-    def of(cls, value) -> "Array":
+    def of(cls, value, before: np.ndarray | None = None) -> "Array":
+        """`value` as bytes, as its one value, or as its changes to `before` (an array the
+        receiver has: see StepArrays), whichever is fewest bytes."""
         value = np.ascontiguousarray(value)
         flat = value.reshape(-1)
-        if value.nbytes >= _FILL_MIN_BYTES and flat[0] == flat[-1] and (flat == flat[0]).all():
-            return cls(value.dtype.str, value.shape, memoryview(b""), flat[0].item())
+        if value.nbytes >= _FILL_MIN_BYTES:
+            bits = np.dtype(f"u{value.itemsize}")   # compared bit for bit: -0.0 is not 0.0
+            same = flat.view(bits)
+            if same[0] == same[-1] and flat[0] == flat[0] and (same == same[0]).all():   # NaN: as bytes
+                return cls(value.dtype.str, value.shape, memoryview(b""), flat[0].item())
+            if (value.nbytes >= _CHANGES_MIN_BYTES and before is not None and before.shape == value.shape
+                    and before.dtype == value.dtype):
+                changed = np.flatnonzero(same != before.reshape(-1).view(bits)).astype(np.int32)
+                if changed.size * (changed.itemsize + value.itemsize) <= value.nbytes // 2:
+                    return cls(value.dtype.str, value.shape, memoryview(flat[changed].view(np.uint8)),
+                               changed=memoryview(changed.view(np.uint8)))
         return cls(value.dtype.str, value.shape, memoryview(flat.view(np.uint8)))
 
-    def value(self) -> np.ndarray:
+    def value(self, before: np.ndarray | None = None) -> np.ndarray:
+        """The array; `before`: the one its changes apply to, when it was sent as changes."""
         if self.dtype not in _DTYPES:
             raise ProtocolError(f"array dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = np.dtype(self.dtype)
+        if self.changed is not None:
+            return self._changed(dtype, before)
         if self.fill is not None:
             if any(n < 0 for n in self.shape) or len(self.data) or not _holds(dtype, self.fill):
                 raise ProtocolError(f"a {self.dtype} array of shape {self.shape} filled with {self.fill!r} "
@@ -54,6 +77,46 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
         if any(n < 0 for n in self.shape) or math.prod(self.shape) * dtype.itemsize != len(self.data):
             raise ProtocolError(f"{len(self.data)} bytes do not make a {self.dtype} array of shape {self.shape}")
         return np.frombuffer(self.data, dtype).reshape(self.shape)
+
+    def _changed(self, dtype: np.dtype, before: np.ndarray | None) -> np.ndarray:
+        shape = tuple(self.shape)
+        if before is None or before.shape != shape or before.dtype != dtype:
+            had = "no array" if before is None else f"a {before.dtype.str} array of shape {before.shape}"
+            raise ProtocolError(f"changes to a {self.dtype} array of shape {shape}, where the step before had {had}")
+        if self.fill is not None or len(self.changed) % 4 or len(self.data) != len(self.changed) // 4 * dtype.itemsize:
+            raise ProtocolError(f"{len(self.changed)} bytes of indices and {len(self.data)} bytes of "
+                                f"{self.dtype} values{' and a fill' if self.fill is not None else ''} "
+                                f"do not make changes to an array")
+        indices = np.frombuffer(self.changed, np.int32)
+        if indices.size and (indices.min() < 0 or indices.max() >= before.size):
+            raise ProtocolError(f"changes at indices {indices.min()}..{indices.max()} of an array of "
+                                f"{before.size} elements")
+        value = before.copy()
+        value.reshape(-1)[indices] = np.frombuffer(self.data, dtype)
+        return value
+
+
+class StepArrays:
+    """A step's arrays as changes to the step's before them, where that is fewer bytes (`Array.of`).
+    The sender and every receiver keep the last step's arrays: frames arrive whole and in order
+    (`Inbox`), each receiver reads every step, and a sender never writes to an array it sent."""
+
+    def __init__(self):
+        self._before: list[np.ndarray] = []
+
+    def _befores(self, count: int) -> list[np.ndarray | None]:
+        return self._before if len(self._before) == count else [None] * count
+
+    def send(self, values: Sequence[np.ndarray]) -> tuple[Array, ...]:
+        values = list(map(np.ascontiguousarray, values))
+        arrays = tuple(map(Array.of, values, self._befores(len(values))))
+        self._before = values
+        return arrays
+
+    def receive(self, arrays: Sequence[Array]) -> list[np.ndarray]:
+        values = list(map(Array.value, arrays, self._befores(len(arrays))))
+        self._before = values
+        return values
 
 
 @functools.lru_cache(maxsize=64)

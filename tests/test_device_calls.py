@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxserve.device_calls import (
-    PROTOCOL_VERSION, Array, CompileSplit, CopyPages, Hello, Inbox, Outbox, ProtocolError, ResetPool, Step, StepSample,
-    Stop, differences)
+    PROTOCOL_VERSION, Array, CompileSplit, CopyPages, Hello, Inbox, Outbox, ProtocolError, ResetPool, Step, StepArrays,
+    StepSample, Stop, differences)
 
 
 def test_frames_round_trip_in_order():
@@ -88,6 +88,83 @@ def test_an_array_of_one_value_travels_as_that_value():
         assert value.dtype == sent.dtype and value.shape == sent.shape
         np.testing.assert_array_equal(value, sent)
     assert [got.fill is not None for got in received] == [True] * len(arrays) + [False, False, False]
+    negative_zero = np.zeros(1024, np.float32)
+    negative_zero[3] = -0.0
+    for array in negative_zero, np.full(1024, np.nan, np.float32):   # bit for bit, not as ==
+        got = Array.of(array)
+        assert got.fill is None and got.value().tobytes() == array.tobytes()
+
+
+def _decode_steps(num_steps: int, rows: int = 64, width: int = 512, history: int = 2048):
+    """The arrays of `num_steps` decode steps in a row: one token a row a step, a page added to a
+    row's table once in 16 tokens, a penalised history grown by the token, seeds and a float row."""
+    rng = np.random.default_rng(0)
+    tables, histories = np.zeros((rows, width), np.int32), np.full((rows, history), 49152, np.int32)
+    lengths = rng.integers(20, 200, rows)
+    for length, table, row in zip(lengths, tables, histories):
+        table[:-(-length // 16)] = rng.integers(1, 5000, -(-length // 16))
+        row[:length] = rng.integers(0, 49152, length)
+    for step in range(num_steps):
+        tables, histories = tables.copy(), histories.copy()
+        positions = (lengths + step).astype(np.int32)
+        starts_page = np.flatnonzero(positions % 16 == 0)
+        tables[starts_page, positions[starts_page] // 16] = rng.integers(1, 5000, starts_page.size)
+        histories[np.arange(rows), positions - 1] = rng.integers(0, 49152, rows)
+        floats = np.zeros(16384, np.float32)
+        floats[step] = -0.0 if step % 2 else np.nan   # bit for bit: -0.0 is not 0.0
+        small = np.arange(4096, dtype=np.int32)   # 16 KiB: always whole, unchanged or not
+        yield [positions, tables, histories, rng.integers(0, 2**32, rows, dtype=np.uint32), floats, small]
+
+
+def test_a_step_travels_as_its_changes_to_the_step_before():
+    outbox, inbox, sender, receiver = Outbox(), Inbox(), StepArrays(), StepArrays()
+    sizes, kinds = [], []
+    for values in _decode_steps(20):
+        frame = outbox.frame(Step(64, 0, sender.send(values)))
+        arrays = inbox.read(frame).leaves
+        received = receiver.receive(arrays)
+        for sent, got in zip(values, received):
+            assert got.dtype == sent.dtype and got.shape == sent.shape
+            assert got.tobytes() == sent.tobytes()
+        sizes.append(len(frame))
+        kinds.append(["changes" if a.changed is not None else "fill" if a.fill is not None else "bytes" for a in arrays])
+    # positions and seeds (256 bytes each) and the 16 KiB array always whole; tables, histories and
+    # the float row (a NaN, then a -0.0 among zeros) as their changes after the first step
+    assert kinds[0] == ["bytes"] * 6
+    assert all(k == ["bytes", "changes", "changes", "bytes", "changes", "bytes"] for k in kinds[1:])
+    assert sizes[0] > 64 * 2048 * 4 and max(sizes[1:]) < 4096 * 4 + 2_000
+
+
+def test_a_step_of_other_shapes_travels_whole_and_the_next_as_changes_to_it():
+    sender, receiver = StepArrays(), StepArrays()
+    first, second = np.arange(16384, dtype=np.int32), np.arange(32768, dtype=np.int32)
+    third = second.copy()
+    third[5] = -1
+    assert receiver.receive(sender.send([first])) and receiver.receive(sender.send([first]))[0] is not first
+    whole, = sender.send([second])
+    assert whole.changed is None and len(whole.data) == second.nbytes
+    changes, = sender.send([third])
+    receiver.receive([whole])
+    assert len(changes.data) == 4 and changes.changed is not None
+    np.testing.assert_array_equal(receiver.receive([changes])[0], third)
+
+
+@pytest.mark.parametrize("before, array, message", [
+    (None, Array("<i4", (4,), b"\0" * 4, changed=b"\0" * 4), r"changes to a <i4 array of shape \(4,\), where the "
+     r"step before had no array"),
+    (np.zeros(5, np.int32), Array("<i4", (4,), b"\0" * 4, changed=b"\0" * 4), r"had a <i4 array of shape \(5,\)"),
+    (np.zeros(4, np.float32), Array("<i4", (4,), b"\0" * 4, changed=b"\0" * 4), "had a <f4 array"),
+    (np.zeros(4, np.int32), Array("<i4", (4,), b"\0" * 8, changed=b"\0" * 4), "4 bytes of indices and 8 bytes"),
+    (np.zeros(4, np.int32), Array("<i4", (4,), b"\0" * 4, changed=b"\0" * 3), "3 bytes of indices"),
+    (np.zeros(4, np.int32), Array("<i4", (4,), b"", 1, changed=b""), "and a fill"),
+    (np.zeros(4, np.int32), Array("<i4", (4,), b"\0" * 4, changed=np.array([4], np.int32).tobytes()),
+     r"changes at indices 4..4 of an array of 4 elements"),
+    (np.zeros(4, np.int32), Array("<i4", (4,), b"\0" * 4, changed=np.array([-1], np.int32).tobytes()),
+     "at indices -1..-1"),
+])
+def test_changes_that_do_not_fit_the_array_before_are_refused(before, array, message):
+    with pytest.raises(ProtocolError, match=message):
+        array.value(before)
 
 
 def test_differences_name_each_field():

@@ -303,6 +303,9 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
     ids.append(engine.add_request(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
     ids.append(engine.add_request(COPY[:9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                   lora_request=adapter))
+    # a penalised history: sent whole once, then as its changes (a token a step) to the step before
+    ids.append(engine.add_request(COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                       repetition_penalty=1.5)))
     expected = _finished_tokens(engine)
 
     flags = [*cli_flags(SMALL_ENGINE), *_lora_and_draft_flags(directory, adapter.lora_path)]
@@ -310,7 +313,8 @@ def test_two_processes_serve_one_mesh_and_the_leader_exits_when_a_follower_dies(
         wait_until_healthy(url, processes[0], timeout=600)
         assert [_greedy_tokens(url, p) for p in PROMPTS] + [
             _greedy_tokens(url, PROMPTS[0], structured_outputs=WORDS),
-            _greedy_tokens(url, COPY, max_tokens=30), _adapter_tokens(url, COPY[:9])] == [expected[i] for i in ids]
+            _greedy_tokens(url, COPY, max_tokens=30), _adapter_tokens(url, COPY[:9]),
+            _greedy_tokens(url, COPY, max_tokens=30, repetition_penalty=1.5)] == [expected[i] for i in ids]
         # Two constrained samples (more than disable_by_batch_size, so steps are launched ahead): once
         # both processes have compiled the split step, such steps run to their logits on both and are
         # sampled with the masks sent after.

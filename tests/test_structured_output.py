@@ -14,6 +14,7 @@ import llguidance.numpy
 import numpy as np
 import pytest
 
+from jaxserve import device_calls
 from jaxserve.device_calls import Array, CompileSplit, Inbox, Outbox, ProtocolError, StepSample
 from jaxserve.engine.runner import Runner
 from jaxserve.engine.structured_output import Grammars
@@ -128,10 +129,12 @@ class _FollowerHere:
 
     def __init__(self, runner: Runner):
         self.runner, self.outbox, self.inbox, self.kinds = runner, Outbox(), Inbox(), []
+        self.num_changed = 0   # steps' arrays sent as their changes to the step before
 
     def send(self, call) -> None:
         call = self.inbox.read(self.outbox.frame(call))
         self.kinds.append("to_logits" if getattr(call, "to_logits", False) else type(call).__name__)
+        self.num_changed += sum(array.changed is not None for array in getattr(call, "leaves", ()))
         self.runner.replay(call)
 
 
@@ -147,10 +150,13 @@ def test_a_follower_replays_steps_split_at_their_logits_to_the_leaders_pool_and_
     words = SamplingParams(temperature=0.8, seed=5, max_tokens=24, structured_outputs=Constraint(regex=r"[a-z]{6,40}"))
     requests = {"words": ("Word:", words), "plain": ("Hello", SamplingParams(temperature=0.7, seed=2, max_tokens=30)),
                 "greedy": ("Hi", SamplingParams(temperature=0, max_tokens=12, structured_outputs=Constraint(
-                    choice=("alpha", "beta", "gamma"))))}
+                    choice=("alpha", "beta", "gamma")))),
+                # its history reaches the follower as the token added to the step before's
+                "penalised": ("Once", SamplingParams(temperature=0.7, seed=3, max_tokens=20, frequency_penalty=0.8))}
     serial_config = dataclasses.replace(config, async_scheduling=False)
     monkeypatch.setattr(engine, "config", serial_config)
     stepped = run(engine, requests)
+    monkeypatch.setattr(device_calls, "_CHANGES_MIN_BYTES", 1024)   # the tiny engine's histories: 2 KiB
     monkeypatch.setattr(engine, "config", config)
     monkeypatch.setattr(leader, "followers", follower)
     compiled_before = set(leader._split_compiles)
@@ -174,6 +180,9 @@ def test_a_follower_replays_steps_split_at_their_logits_to_the_leaders_pool_and_
     for mine, theirs in zip(jax.tree.leaves((leader.kv_pages, leader._sampled)),
                             jax.tree.leaves((follower.runner.kv_pages, follower.runner._sampled))):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+    assert follower.num_changed >= 10   # the penalised history at least, as changes to the step before
+    for mine, theirs in zip(leader._step_arrays._before, follower.runner._step_arrays._before, strict=True):
+        assert mine.tobytes() == theirs.tobytes()
     assert pool_is_full(engine)
 
 

@@ -1,19 +1,21 @@
-"""What the channel between processes costs per step: framing (msgspec against the pickle it
-replaced) and a leader-to-follower trip over loopback, with CURVE and without.
+"""What the channel between processes costs per step: a step's arrays sent whole against sent as
+their changes to the step before (`device_calls.StepArrays`), framed and read back, and a
+leader-to-follower trip over loopback, with CURVE and without.
 
     python tools/bench_channel.py [--steps 300]
 
-The steps are steps of the default SmolLM2 layout with every decode row taken by a sequence
-sampling at temperature 0.7, no penalties, masks or biases (the arrays a real step of that bucket
-sends; their [rows, max_model_len] token history and [rows, vocab / 32] masks are one value
-throughout, sent as that value alone). The framing time includes making the message from the
-step's arrays and the follower's arrays from it.
+Each bucket is run as consecutive decode steps of the default SmolLM2 layout: every decode row
+holds a sequence one token further each step (a page added to its table once in 16), sampling at
+temperature 0.7; the rows marked "penalised" also have a frequency penalty, so their [rows,
+max_model_len] token history grows by a token a step. Unused histories, masks and biases are one
+value throughout and travel as that value alone either way. Framing includes making the message
+from the step's arrays and the follower's arrays from it (for changes: a copy of the step before's
+array with them applied).
 """
 
 from __future__ import annotations
 
 import argparse
-import pickle
 import socket
 import statistics
 import sys
@@ -23,76 +25,117 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve import distributed  # noqa: E402
-from jaxserve.device_calls import Array, Inbox, Outbox, Step  # noqa: E402
+from jaxserve.device_calls import Array, Inbox, Outbox, Step, StepArrays  # noqa: E402
 from jaxserve.engine.batch import BatchLayout, Bucket  # noqa: E402
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
-BUCKETS = (Bucket(1, 0), Bucket(16, 0), Bucket(64, 0), Bucket(64, 4))
+CASES = ((Bucket(1, 0), False), (Bucket(16, 0), False), (Bucket(64, 0), False), (Bucket(64, 4), False),
+         (Bucket(64, 0), True), (Bucket(256, 0), True))   # (bucket, penalised)
 
 
-def _step(layout: BatchLayout, bucket: Bucket):
-    params = SamplingParams(temperature=0.7)
-    decodes = tuple(ScheduledSequence(str(i), (5 + i,), 100 + i, tuple(range(1 + 16 * i, 17 + 16 * i)), True, params,
-                                      seed=i, num_output_tokens=3) for i in range(bucket.num_decode))
-    batch, _ = layout.build(SchedulerOutput(decodes), bucket)
-    return batch, _message(batch, bucket)
+def _name(bucket: Bucket, penalised: bool) -> str:
+    return f"{bucket.num_decode}x{bucket.num_segments}{' penalised' if penalised else ''}"
 
 
-def _message(batch, bucket: Bucket) -> Step:
-    return Step(bucket.num_decode, bucket.num_segments, tuple(map(Array.of, jax.tree.leaves(batch))))
+def _steps(layout: BatchLayout, bucket: Bucket, penalised: bool, num_steps: int) -> list[list[np.ndarray]]:
+    """The arrays of `num_steps` consecutive decode steps of `bucket`."""
+    params = SamplingParams(temperature=0.7, frequency_penalty=0.5 if penalised else 0.0)
+    rng = np.random.default_rng(0)
+    rows = bucket.num_decode
+    pages = rng.permutation(100_000)[:rows * layout.table_width].reshape(rows, -1).astype(np.int32)
+    tokens = rng.integers(0, layout.vocab_size, (rows, 100 + rows + num_steps), dtype=np.int32)
+    steps = []
+    for step in range(num_steps):
+        decodes = []
+        for i in range(rows):
+            position = 100 + i + step
+            sequence = ScheduledSequence(str(i), (int(tokens[i, position]),), position,
+                                         pages[i, :position // layout.page_size + 1], True, params, i, 3 + step)
+            if penalised:
+                sequence.history, sequence.num_prompt_tokens = tokens[i, :position], 100
+            decodes.append(sequence)
+        batch, _ = layout.build(SchedulerOutput(tuple(decodes)), bucket)
+        steps.append(jax.tree.leaves(batch))
+    return steps
 
 
-def _median_us(function, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
+def _messages(steps: list[list[np.ndarray]], bucket: Bucket, changes: bool) -> list[Step]:
+    sender = StepArrays()
+    return [Step(bucket.num_decode, bucket.num_segments, sender.send(leaves) if changes else
+                 tuple(map(Array.of, leaves))) for leaves in steps]
+
+
+def _reader(changes: bool):
+    """The follower's side: a step's arrays from its message."""
+    receiver = StepArrays()
+    return (lambda step: receiver.receive(step.leaves)) if changes else (lambda step: [a.value() for a in step.leaves])
+
+
+def _median_us(times: list[float]) -> float:
     return statistics.median(times) * 1e6
 
 
-def framing(layout: BatchLayout, repeats: int) -> None:
-    print("| bucket | KiB | msgspec frame+read us | pickle dumps+loads us | ratio |\n|---|---|---|---|---|")
-    for bucket in BUCKETS:
-        batch, step = _step(layout, bucket)
-        outbox, inbox = Outbox(), Inbox()
-        ours = _median_us(lambda: [a.value() for a in inbox.read(outbox.frame(_message(batch, bucket))).leaves],
-                          repeats)
-        theirs = _median_us(lambda: pickle.loads(pickle.dumps(("step", batch), pickle.HIGHEST_PROTOCOL)), repeats)
-        size = len(Outbox().frame(step)) / 1024
-        print(f"| {bucket.num_decode}x{bucket.num_segments} | {size:.0f} | {ours:.0f} | {theirs:.0f} | "
-              f"{theirs / ours:.2f}x |")
+def framing(steps_of: dict) -> None:
+    """Per step: the leader's making of the frame from the step's arrays, the follower's reading
+    of the arrays from it (the trip between them not counted)."""
+    print("| step | whole KiB | changes KiB | leader whole us | leader changes us | follower whole us | "
+          "follower changes us |\n|---|---|---|---|---|---|---|")
+    for (bucket, penalised), steps in steps_of.items():
+        sizes, made, read = {}, {}, {}
+        for changes in (False, True):
+            outbox, inbox, sender, reader = Outbox(), Inbox(), StepArrays(), _reader(changes)
+            sizes[changes], made[changes], read[changes] = [], [], []
+            for leaves in steps:
+                started = time.perf_counter()
+                frame = outbox.frame(Step(bucket.num_decode, bucket.num_segments,
+                                          sender.send(leaves) if changes else tuple(map(Array.of, leaves))))
+                framed = time.perf_counter()
+                reader(inbox.read(frame))
+                read[changes].append(time.perf_counter() - framed)
+                made[changes].append(framed - started)
+                sizes[changes].append(len(frame))
+        print(f"| {_name(bucket, penalised)} | {statistics.median(sizes[False]) / 1024:.1f} | "
+              f"{statistics.median(sizes[True]) / 1024:.1f} | {_median_us(made[False]):.0f} | "
+              f"{_median_us(made[True]):.0f} | {_median_us(read[False]):.0f} | {_median_us(read[True]):.0f} |")
 
 
-def trip(layout: BatchLayout, steps: int, keys_dir: str | None) -> dict[Bucket, float]:
-    """Median send-to-replay microseconds per bucket, one follower thread over loopback."""
+def trip(steps_of: dict, keys_dir: str | None, changes: bool) -> dict:
+    """Median send-to-read microseconds per step kind, one follower thread over loopback; the
+    follower makes the step's arrays from each message, as a runner does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = ("127.0.0.1", s.getsockname()[1])
     keys = [distributed.load_keys(keys_dir, i, 2) if keys_dir else None for i in range(2)]
     arrived: list[float] = []
-    follower = threading.Thread(target=distributed.follow, args=(
-        lambda call: arrived.append(time.perf_counter()), address, 1, 30, {}, keys[1]))
+    readers = {}
+
+    def replay(step):
+        readers[step.num_decode, step.num_segments](step)
+        arrived.append(time.perf_counter())
+
+    follower = threading.Thread(target=distributed.follow, args=(replay, address, 1, 30, {}, keys[1]))
     leader = distributed.Leader(address, 1, print, keys[0])
     follower.start()
     leader.wait_for_followers(30, {})
     medians = {}
-    for bucket in BUCKETS:
-        _, step = _step(layout, bucket)
-        trips = []
-        for _ in range(steps):
+    for (bucket, penalised), steps in steps_of.items():
+        readers[bucket.num_decode, bucket.num_segments] = _reader(changes)
+        sender, trips = StepArrays(), []
+        for leaves in steps:
             arrived.clear()
             sent = time.perf_counter()
-            leader.send(step)
+            leader.send(Step(bucket.num_decode, bucket.num_segments,
+                             sender.send(leaves) if changes else tuple(map(Array.of, leaves))))
             while not arrived:
                 time.sleep(0)
             trips.append(arrived[0] - sent)
-        medians[bucket] = statistics.median(trips) * 1e6
+        medians[bucket, penalised] = _median_us(trips)
     leader.close()
     follower.join(10)
     return medians
@@ -104,15 +147,18 @@ def main() -> None:
     args = parser.parse_args()
     layout = BatchLayout(page_size=16, segment=32, pages_per_chunk=4, table_width=128, vocab_size=49152,
                          history_width=2048)
-    framing(layout, args.steps)
+    steps_of = {case: _steps(layout, *case, args.steps) for case in CASES}
+    framing(steps_of)
     with tempfile.TemporaryDirectory() as keys_dir:
         distributed.make_keys(keys_dir, 2)
-        curve = trip(layout, args.steps, keys_dir)
-    plain = trip(layout, args.steps, None)
-    print("\n| bucket | CURVE trip us | plain trip us | CURVE / plain |\n|---|---|---|---|")
-    for bucket in BUCKETS:
-        print(f"| {bucket.num_decode}x{bucket.num_segments} | {curve[bucket]:.0f} | {plain[bucket]:.0f} | "
-              f"{curve[bucket] / plain[bucket]:.2f}x |")
+        curve = {changes: trip(steps_of, keys_dir, changes) for changes in (False, True)}
+    plain = {changes: trip(steps_of, None, changes) for changes in (False, True)}
+    print("\n| step | CURVE whole us | CURVE changes us | ratio | plain whole us | plain changes us | ratio |\n"
+          "|---|---|---|---|---|---|---|")
+    for case in CASES:
+        print(f"| {_name(*case)} | {curve[False][case]:.0f} | {curve[True][case]:.0f} | "
+              f"{curve[True][case] / curve[False][case]:.2f}x | {plain[False][case]:.0f} | {plain[True][case]:.0f} | "
+              f"{plain[True][case] / plain[False][case]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.config import ModelConfig
 from jaxserve.device_calls import (
-    Array, CompileSplit, CopyPages, DeviceCall, LoadLora, ProtocolError, ResetPool, Step, StepSample)
+    Array, CompileSplit, CopyPages, DeviceCall, LoadLora, ProtocolError, ResetPool, Step, StepArrays, StepSample)
 from jaxserve.engine import kv_pages as kv_pool
 from jaxserve.engine.batch import BatchLayout, Bucket, StepInput
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -202,6 +202,7 @@ class Runner:
         self._forward = compile_forward(model.graphdef, attention)
         self._copy_pages = compile_copy_pages()
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
+        self._step_arrays = StepArrays()   # the last step sent (process 0) or replayed (a follower)
         # The last step's sampled tokens stay on the device for the next step's placeholders:
         # `_sampled` holds them in its first rows, `_sampled_rows` says whose they are.
         self._num_rows = max(b.num_logit_rows for b in self.buckets) * self.num_slices
@@ -483,7 +484,7 @@ class Runner:
         got = [(tuple(array.shape), array.dtype) for array in arrays]   # checked before any is made
         if got != expected:
             raise ProtocolError(f"a step of bucket {bucket} with arrays {got}, where this engine builds {expected}")
-        return jax.tree.unflatten(treedef, [array.value() for array in arrays])
+        return jax.tree.unflatten(treedef, self._step_arrays.receive(arrays))
 
     def _tell_followers(self, call: DeviceCall) -> None:
         if self.followers is not None:
@@ -492,7 +493,7 @@ class Runner:
     def _send_step(self, batch: StepInput, bucket: Bucket, to_logits: bool = False) -> None:
         if self.followers is not None:   # checked here too: without followers, no message is built
             self._tell_followers(Step(bucket.num_decode, bucket.num_segments,
-                                      tuple(map(Array.of, jax.tree.leaves(batch))), bucket.decode_len,
+                                      self._step_arrays.send(jax.tree.leaves(batch)), bucket.decode_len,
                                       self.model_index, to_logits))
 
     def _run_step(self, batch: StepInput, bucket: Bucket):
