@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _past_candidates, _penalize, _truncate,
-                                    _truncate_by_bisection, argmax, gumbel_noise, row_seed, row_seeds, sample,
+from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _past_candidates, _penalize, _threshold,
+                                    _bisection_threshold, argmax, gumbel_noise, row_seed, row_seeds, sample,
                                     sampling_tensors)
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
@@ -104,7 +104,7 @@ def test_thresholds_from_the_candidates_equal_those_by_bisection():
     st = tensors([row(p) for p in params], 24, 5000)
     threshold, wider = jax.jit(_candidate_thresholds)(logits, st)
     assert not np.asarray(wider).any()
-    kept = np.asarray(jax.jit(_truncate_by_bisection)(logits, st)) > -np.inf
+    kept = logits >= np.asarray(jax.jit(_bisection_threshold)(logits, st))[:, None]
     np.testing.assert_array_equal(logits >= np.asarray(threshold)[:, None], kept)
     assert len(set(kept.sum(-1).tolist())) > 8                                  # the settings cut variously
     assert not np.asarray(jax.jit(_past_candidates)(logits, st)).any()
@@ -119,7 +119,8 @@ def test_thresholds_from_the_candidates_equal_those_by_bisection():
         st = tensors([row(p) for p in params[:5]] + [row(wide)], 6, 5000)
         assert np.asarray(jax.jit(_candidate_thresholds)(rows, st)[1]).tolist() == [False] * 5 + [True]
         assert np.asarray(jax.jit(_past_candidates)(rows, st)).tolist() == [False] * 5 + [past]
-        np.testing.assert_array_equal(jax.jit(_truncate)(rows, st), jax.jit(_truncate_by_bisection)(rows, st))
+        np.testing.assert_array_equal(rows >= np.asarray(jax.jit(_threshold)(rows, st))[:, None],
+                                      rows >= np.asarray(jax.jit(_bisection_threshold)(rows, st))[:, None])
 
 
 def test_top_p_applies_to_what_top_k_left():

@@ -80,29 +80,61 @@ def sample(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None 
     """logits [S, vocab] float32 -> the sampled tokens and, for rows that ask, their logprobs.
     `last_tokens` [S] int32: each row's input token, which replaces PLACEHOLDER in its history.
     `candidates` (static): top-k/top-p thresholds from each row's largest logits first (see
-    `_truncate`)."""
+    `_threshold`); False for several processes on CPUs, which also sample without the cond below."""
     raw = logits
-    rows = jnp.arange(logits.shape[0])[:, None]
-    logits = jax.lax.cond(jnp.any(s.allowed != -1), _mask, lambda x, _: x, logits, s.allowed)
-    logits = logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
-    penalizes = jnp.any((s.presence != 0) | (s.frequency != 0) | (s.repetition != 1))
-    logits = jax.lax.cond(penalizes, _penalize, lambda x, *_: x, logits, s, last_tokens)
-    greedy = argmax(logits)
-
-    def random_tokens():
-        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        truncates = jnp.any((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
-        scaled = jax.lax.cond(truncates, functools.partial(_truncate, candidates=candidates), lambda x, _: x,
-                              scaled, s)
-        return argmax(scaled + gumbel_noise(s.seed, logits.shape[-1]))
-
-    sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
-    tokens = jnp.where(s.temperature == 0, greedy, sampled)
+    # Masks, biases and penalties write a changed copy of the [S, vocab] logits, so only a step that
+    # has one of them makes it. The conds here return tokens, never [S, vocab] arrays: a `lax.cond`
+    # returning one copies it, even unchanged (on a CPU 256 rows of 49,152 logits took 17 ms to copy,
+    # a greedy sampling of them 23.6 ms against 4.4 without). So the tokens are picked in both branches,
+    # from the copy or from the logits themselves.
+    if candidates:
+        changes = _masks(s) | jnp.any(s.bias_ids < logits.shape[-1]) | _penalizes(s)
+        tokens = jax.lax.cond(changes, lambda: _tokens(_changed(raw, s, last_tokens), s, candidates),
+                              lambda: _tokens(raw, s, candidates))
+    else:   # several processes on CPUs (see `_threshold`): that cond's collectives made gloo's pair
+            # wrongly too ("64 vs 4": the 4x2 two-process test failed in 2 runs of 4, in none of 6 without it)
+        tokens = _tokens(_changed(raw, s, last_tokens), s, candidates)
     samples = jax.lax.cond(jnp.any(s.logprobs), _with_logprobs, _without_logprobs, raw, tokens)
     # A NaN or an inf anywhere makes the row's sum NaN or inf (finite logits would need to be near 1e34
     # to overflow it): one reduction, where all(isfinite) first wrote a [S, vocab] bool array
     # (in a 256-row step of 49,152 logits, 5.9-6.4 ms against ~1.8).
     return samples.replace(finite=jnp.isfinite(raw.sum(-1)))
+
+
+def _changed(logits: jax.Array, s: SamplingTensors, last_tokens: jax.Array | None) -> jax.Array:
+    """The logits with the allowed-token masks, the biases and the penalties applied."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = jax.lax.cond(_masks(s), _mask, lambda x, _: x, logits, s.allowed)
+    logits = logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
+    return jax.lax.cond(_penalizes(s), _penalize, lambda x, *_: x, logits, s, last_tokens)
+
+
+def _masks(s: SamplingTensors) -> jax.Array:
+    return jnp.any(s.allowed != -1)
+
+
+def _penalizes(s: SamplingTensors) -> jax.Array:
+    return jnp.any((s.presence != 0) | (s.frequency != 0) | (s.repetition != 1))
+
+
+@functools.partial(jax.jit, static_argnames=("candidates",))
+def _tokens(logits: jax.Array, s: SamplingTensors, candidates: bool) -> jax.Array:
+    """Each row's token: the largest logit's at temperature 0, else drawn from the truncated
+    distribution at its temperature (Gumbel-max). Jitted so that its second use in a program (the
+    other branch of `sample`'s cond) reuses the first one's trace: traced twice, it made the 12 step
+    programs of a cold start compile 1.0-1.8 s longer than with one use; jitted, 0.6-1.2 s."""
+    greedy = argmax(logits)
+
+    def random_tokens():
+        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+        truncates = jnp.any((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
+        threshold = jax.lax.cond(truncates, functools.partial(_threshold, candidates=candidates),
+                                 lambda x, _: jnp.full(x.shape[:1], -jnp.inf), scaled, s)
+        kept = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+        return argmax(kept + gumbel_noise(s.seed, logits.shape[-1]))
+
+    sampled = jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy, random_tokens)
+    return jnp.where(s.temperature == 0, greedy, sampled)
 
 
 def gumbel_noise(seeds: jax.Array, vocab: int) -> jax.Array:
@@ -189,13 +221,14 @@ def _without_logprobs(raw: jax.Array, tokens: jax.Array) -> Samples:
 CANDIDATES = 256
 
 
-def _truncate(scaled: jax.Array, s: SamplingTensors, candidates: bool = True) -> jax.Array:
-    """Sets to -inf every logit outside the row's top-k, then top-p of what is left, then min-p.
-    Ties at a threshold are all kept, as a sort-based cut keeps them.
+def _threshold(scaled: jax.Array, s: SamplingTensors, candidates: bool = True) -> jax.Array:
+    """[S]: each row's smallest logit kept by its top-k, then top-p of what is left, then min-p
+    (every logit at or above it is kept: ties at a threshold are all kept, as a sort-based cut keeps
+    them). A threshold, not the truncated logits, so that no [S, vocab] array leaves a `lax.cond`.
 
     The thresholds are read off each row's CANDIDATES largest logits (`_candidate_thresholds`). A
     row whose top-k is wider than that, or whose top-p mass the candidates do not reach, sends the
-    whole batch to `_truncate_by_bisection`, which needs no sort but passes over every logit about
+    whole batch to `_bisection_threshold`, which needs no sort but passes over every logit about
     a hundred times: on a CPU, 638 ms against 123 ms for 256 rows of 49,152 peaked logits at
     top_p 0.9, and 28 against 9 ms for 32 rows.
 
@@ -206,7 +239,7 @@ def _truncate(scaled: jax.Array, s: SamplingTensors, candidates: bool = True) ->
     which program shape exposes it is not understood, and one process (in-process collectives)
     never failed."""
     if not candidates:
-        return _truncate_by_bisection(scaled, s)
+        return _bisection_threshold(scaled, s)
     # A batch with a row the candidates cannot serve skips them: a flat distribution paid for them
     # and then bisected (the tiny random model of tools/bench_host.py at 256 rows: 632-651 ms a
     # step against 565-570 by bisection alone; 593-643 against 555-659 with this check).
@@ -214,8 +247,7 @@ def _truncate(scaled: jax.Array, s: SamplingTensors, candidates: bool = True) ->
         jnp.any(_past_candidates(scaled, s)),
         lambda x, _: (jnp.full(x.shape[:1], -jnp.inf), jnp.ones(x.shape[:1], jnp.bool_)),
         _candidate_thresholds, scaled, s)
-    return jax.lax.cond(jnp.any(wider), _truncate_by_bisection,
-                        lambda x, _: jnp.where(x >= threshold[:, None], x, -jnp.inf), scaled, s)
+    return jax.lax.cond(jnp.any(wider), _bisection_threshold, lambda *_: threshold, scaled, s)
 
 
 def _past_candidates(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
@@ -250,9 +282,9 @@ def _candidate_thresholds(scaled: jax.Array, s: SamplingTensors) -> tuple[jax.Ar
     return jnp.maximum(jnp.maximum(top_k_threshold, top_p_threshold), min_p_threshold), wider
 
 
-def _truncate_by_bisection(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
-    """`_truncate` with each threshold found by bisection on the logit value: about 100 passes of
-    compare-and-sum over the vocabulary, for rows whose thresholds lie past the candidates."""
+def _bisection_threshold(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
+    """`_threshold` found by bisection on the logit value: about 100 passes of compare-and-sum over
+    the vocabulary, for rows whose thresholds lie past the candidates."""
     vocab = scaled.shape[-1]
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab).astype(jnp.float32)
     top_k_threshold = _bisect(scaled, lambda kept: kept.sum(-1, dtype=jnp.float32) >= k)
@@ -260,8 +292,7 @@ def _truncate_by_bisection(scaled: jax.Array, s: SamplingTensors) -> jax.Array:
     probs = probs / probs.sum(-1, keepdims=True)
     top_p_threshold = _bisect(scaled, lambda kept: jnp.sum(probs * kept, -1) >= s.top_p)
     min_p_threshold = jnp.where(s.min_p > 0, scaled.max(-1) + jnp.log(jnp.maximum(s.min_p, 1e-38)), -jnp.inf)
-    threshold = jnp.maximum(jnp.maximum(top_k_threshold, top_p_threshold), min_p_threshold)
-    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+    return jnp.maximum(jnp.maximum(top_k_threshold, top_p_threshold), min_p_threshold)
 
 
 def _bisect(values: jax.Array, enough, steps: int = 48) -> jax.Array:

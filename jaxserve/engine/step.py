@@ -101,7 +101,7 @@ def compiler_options(mesh: Mesh | None) -> dict[str, int] | None:
 
 
 def samples_from_candidates(mesh: Mesh | None) -> bool:
-    """Whether the step's top-k/top-p thresholds come from candidates (see `sampler._truncate`):
+    """Whether the step's top-k/top-p thresholds come from candidates (see `sampler._threshold`):
     not on a mesh over several processes on CPUs, whose gloo collectives mismatched with them."""
     return not over_gloo(mesh)
 
