@@ -65,10 +65,9 @@ def _steps(layout: BatchLayout, bucket: Bucket, penalised: bool, num_steps: int)
     return steps
 
 
-def _messages(steps: list[list[np.ndarray]], bucket: Bucket, changes: bool) -> list[Step]:
-    sender = StepArrays()
-    return [Step(bucket.num_decode, bucket.num_segments, sender.send(leaves) if changes else
-                 tuple(map(Array.of, leaves))) for leaves in steps]
+def _message(sender: StepArrays, leaves: list[np.ndarray], bucket: Bucket, changes: bool) -> Step:
+    return Step(bucket.num_decode, bucket.num_segments,
+                sender.send(leaves) if changes else tuple(map(Array.of, leaves)))
 
 
 def _reader(changes: bool):
@@ -93,8 +92,7 @@ def framing(steps_of: dict) -> None:
             sizes[changes], made[changes], read[changes] = [], [], []
             for leaves in steps:
                 started = time.perf_counter()
-                frame = outbox.frame(Step(bucket.num_decode, bucket.num_segments,
-                                          sender.send(leaves) if changes else tuple(map(Array.of, leaves))))
+                frame = outbox.frame(_message(sender, leaves, bucket, changes))
                 framed = time.perf_counter()
                 reader(inbox.read(frame))
                 read[changes].append(time.perf_counter() - framed)
@@ -130,8 +128,7 @@ def trip(steps_of: dict, keys_dir: str | None, changes: bool) -> dict:
         for leaves in steps:
             arrived.clear()
             sent = time.perf_counter()
-            leader.send(Step(bucket.num_decode, bucket.num_segments,
-                             sender.send(leaves) if changes else tuple(map(Array.of, leaves))))
+            leader.send(_message(sender, leaves, bucket, changes))
             while not arrived:
                 time.sleep(0)
             trips.append(arrived[0] - sent)
