@@ -7,9 +7,9 @@ protocol version and its place in the sender's sequence; a frame of another vers
 order, or that does not decode as one of these kinds is a `ProtocolError`, never acted on.
 Arrays travel as dtype, shape and raw bytes, their dtype one of a fixed few; an array whose
 elements are all one value (a step's unused token history, masks or biases: most of its bytes)
-travels as that value alone. A step's arrays travel as changes to the step's before them where
-that is fewer bytes (`StepArrays`): from one decode step to the next, block tables change once in
-a page's worth of tokens and a penalised row's history by one token.
+travels as that value alone. A step's arrays of 64 KiB or more travel as their changes to the
+step's before them where that is fewer bytes (`StepArrays`): from one decode step to the next, a
+block table changes once in a page's worth of tokens and a penalised row's history by a token.
 """
 
 from __future__ import annotations

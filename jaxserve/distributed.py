@@ -3,8 +3,9 @@
 `jax.distributed` joins the processes, so the mesh spans the devices of all of them, and every
 process runs the same jitted step on its own devices. Only process 0, the leader, runs the HTTP
 server and the scheduler. Before each device call its runner sends the call's host inputs (the
-step's arrays, the page copies) to the other processes, the followers, which replay the calls in
-the same order, as a multi-process program requires.
+step's arrays, the large ones as their changes to the step before's; the page copies) to the
+other processes, the followers, which replay the calls in the same order, as a multi-process
+program requires.
 
 The channel is a ZeroMQ ROUTER socket on the leader, bound to the coordinator's address at its
 port + 1 (never to all interfaces), with one DEALER per follower. Messages are the typed frames
