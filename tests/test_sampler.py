@@ -138,6 +138,21 @@ def test_seeded_rows_ignore_their_neighbours():
     assert int(alone[0]) == int(together[0])
 
 
+@pytest.mark.parametrize("neighbour", [dict(params=SamplingParams(temperature=0.7, logit_bias={3: 5.0})),
+                                       dict(params=SamplingParams(temperature=0.7, frequency_penalty=1.0),
+                                            output=(3, 3, 5)),
+                                       dict(params=SamplingParams(temperature=0), suppressed=(7,))])
+def test_a_neighbour_with_changed_logits_leaves_the_other_rows_tokens_alone(neighbour):
+    """A step with a bias, a penalty or a suppressed token picks every row's token from a changed
+    copy of the logits, a step without them from the logits themselves: the same tokens either way."""
+    logits = np.random.default_rng(2).normal(size=(8, 1000)).astype(np.float32) * 3
+    plain = [row(SamplingParams(temperature=t, top_p=p), seed=i, token_index=i)
+             for i, (t, p) in enumerate([(0, 1), (0.7, 1), (1.0, 0.9), (0.5, 1), (0, 1), (1.2, 0.95), (0.7, 1)])]
+    alone = sample_jit(logits, [*plain, None])
+    together = sample_jit(logits, [*plain, row(seed=9, **neighbour)])
+    np.testing.assert_array_equal(alone[:7], together[:7])
+
+
 def test_row_seeds_differ_by_seed_and_token_index():
     seeds = {row_seed(s, i) for s in range(50) for i in range(50)}
     assert len(seeds) == 2500 and all(0 <= s < 2**32 for s in seeds)
