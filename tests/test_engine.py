@@ -142,6 +142,9 @@ def test_output_kinds_carry_the_same_request(engine):
         assert [lp for p in parts for lp in p.logprobs] == want.logprobs
         assert parts[-1].finish_reason == want.finish_reason
         assert parts[-1].cumulative_logprob == want.cumulative_logprob
+    for outputs in (cumulative, delta, final):   # the times of its arrival, admission and first token
+        (times,) = {o.metrics for o in outputs}
+        assert times.arrival_time <= times.first_scheduled_time <= times.first_token_time
 
 
 def test_abort_returns_every_page(engine):

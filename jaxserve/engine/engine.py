@@ -136,6 +136,9 @@ class _Group:
     # Whether it has an output at every step it moves. Not with best_of > n, where which samples
     # are returned is known only at the end, nor when it asks for the final one only.
     streams: bool = dataclasses.field(init=False)
+    # Its metrics once it has a first token, when they no longer change: made anew for each output
+    # they took 1.3 us, a fifth of a streamed output's making (256 streams a step).
+    _metrics: RequestMetrics | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
         self.logprobs = [[] for _ in self.samples]
@@ -145,7 +148,10 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:   # the usual request: no generator (0.84 us against 0.15)
+            return samples[0].is_finished
+        return all(s.is_finished for s in samples)
 
     def output(self, request_id: str) -> RequestOutput:
         params = self.samples[0].params
@@ -155,14 +161,23 @@ class _Group:
         if params.num_samples != params.n:
             best = sorted(outputs, key=_likelihood, reverse=True)[:params.n] if finished else []
             outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
-        scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
-        metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
         prompt_logprobs = None
         if params.prompt_logprobs is not None and not (delta and self.has_output):   # vLLM's shape: the first
             prompt_logprobs = [None, *self.prompt_logprobs]                          # token has none
         self.has_output = True
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.error,
-                             metrics, self.samples[0].num_cached_tokens, prompt_logprobs, self.error_param)
+                             self.metrics(), self.samples[0].num_cached_tokens, prompt_logprobs, self.error_param)
+
+    def metrics(self) -> RequestMetrics:
+        """Final once the first token is sampled: the first sample was scheduled by then, and a
+        sample's first scheduled time, once set, stays (forks have none of their own)."""
+        if self._metrics is not None:
+            return self._metrics
+        scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
+        metrics = RequestMetrics(self.samples[0].arrival_time, min(scheduled, default=None), self.first_token_time)
+        if self.first_token_time is not None:
+            self._metrics = metrics
+        return metrics
 
     def _sample_output(self, i: int, delta: bool) -> CompletionOutput:
         """Sample i's output: all of it, or with `delta` what it has not sent yet."""
@@ -593,7 +608,7 @@ class LLMEngine:
                  logprobs: dict[str, tuple[TokenLogprob, ...]]) -> list[RequestOutput]:
         """Each sample's new tokens (several after confirmed drafts) through its grammar and text, in
         order; a stop string ends the sample at the token that completes it, and drops the rest."""
-        results, progress = [], {}
+        results, progress, constrained = [], {}, bool(self._matchers)
         for request_id, group in list(self._groups.items()):
             touched, ended, streams = False, False, group.streams
             for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
@@ -606,7 +621,7 @@ class LLMEngine:
                     for i, token in enumerate(run):
                         if run_logprobs is not None:
                             sample_logprobs.append(run_logprobs[i])
-                        dead_end = self._constrain(sample, token)
+                        dead_end = constrained and self._constrain(sample, token)
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
                         if text.add(token):
