@@ -99,6 +99,35 @@ def test_a_consumer_behind_gets_the_latest_cumulative_output_and_every_delta(tin
     assert pool_is_full(tiny_engine)
 
 
+def _content(output):
+    """What a cumulative output holds for its client (not its timings or cached tokens)."""
+    return (output.finished, output.prompt_logprobs,
+            [(o.index, o.text, o.token_ids, o.finish_reason, o.logprobs, o.cumulative_logprob) for o in output.outputs])
+
+
+def test_a_cumulative_stream_holds_what_the_engines_cumulative_outputs_hold(tiny_engine):
+    """The engine makes a cumulative stream's outputs as deltas, and the stream adds them up: each
+    output read equals one the engine makes as CUMULATIVE (samples, logprobs, prompt logprobs, a
+    stop string), in order, the last one included."""
+    params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    reference = sync_generate(tiny_engine, "The sea is", params).outputs[0].text
+    params = dataclasses.replace(params, stop=[reference[len(reference) // 2:][:2]])
+    request_id = tiny_engine.add_request("The sea is", params)
+    expected = []
+    while tiny_engine.has_unfinished_requests():
+        expected += [_content(o) for o in tiny_engine.step() if o.request_id == request_id]
+
+    async def scenario(engine):
+        return await collect(await engine.add_request("The sea is", params))
+
+    got = [_content(o) for o in run(tiny_engine, scenario)]
+    assert got[-1] == expected[-1] and got[-1][0] and any(o[3] == "stop" for o in got[-1][2])
+    positions = [expected.index(output) for output in got]   # each one the engine's, in order
+    assert positions == sorted(positions) and len(got) > 2
+    assert pool_is_full(tiny_engine)
+
+
 class _Recorder:
     """A RequestObserver that keeps what it is told."""
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from jaxserve.engine.engine import EngineStats, LLMEngine
-from jaxserve.engine.output import RequestOutput
+from jaxserve.engine.output import CompletionOutput, RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -85,6 +85,12 @@ class RequestStream:
     """The outputs of one request, as its `output_kind` asks; iterate with `async for`. Of the
     cumulative outputs waiting when it is read, only the latest comes (deltas all come).
 
+    The engine makes a cumulative stream's outputs as deltas (`AsyncEngine` asks it for DELTA),
+    and the stream adds them up here, on the event loop: so the engine thread does not copy every
+    sample's tokens at every step (256 streams of 448 tokens: a decode step's outputs took 5.7 ms
+    on the engine thread as cumulative outputs, 3.0 ms as deltas), and a sample's tokens are
+    copied once per output read, not once per step.
+
     `close()` (also on leaving `async with`) aborts the request if it has not finished.
     """
 
@@ -94,7 +100,8 @@ class RequestStream:
         self.params = params
         self.lora_name = lora_name
         self.num_samples = params.n
-        self._cumulative = params.output_kind == RequestOutputKind.CUMULATIVE
+        # the outputs so far of a cumulative stream, whose engine outputs are deltas
+        self._sums = _OutputSums() if params.output_kind == RequestOutputKind.CUMULATIVE else None
         self.finished = False
         self._abort = abort
         self._observer = observer
@@ -104,16 +111,20 @@ class RequestStream:
         self._done = False                    # the consumer has seen the final output
 
     def put(self, output: RequestOutput, when: float) -> None:
+        """An output of the engine's (a delta, unless the request asked for its final output only)."""
         self.finished = output.finished
+        if self._sums is not None:
+            self._sums.add(output)
         if self._observer is not None:
             total = sum(len(o.token_ids) for o in output.outputs)
-            if self.params.output_kind == RequestOutputKind.DELTA:   # it holds the new tokens only
+            if self.params.output_kind != RequestOutputKind.FINAL_ONLY:   # it holds the new tokens only
                 total += self._num_tokens or 0
             self._observe(len(output.prompt_token_ids), total, when)
             if output.finished:
                 reasons = ["error"] * self.num_samples if output.error else [
                     o.finish_reason or "abort" for o in output.outputs]
-                self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, output,
+                final = self._sums.output() if self._sums is not None else output
+                self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, final,
                                                         self.lora_name))
         self._queue.put_nowait(output)
 
@@ -145,12 +156,13 @@ class RequestStream:
         output = await self._queue.get()
         # A consumer that fell behind (a slow client, a busy event loop) gets the latest of the
         # cumulative outputs waiting, which holds all the others: its work per step stays bounded.
-        while self._cumulative and not output.finished and not self._queue.empty():
+        while self._sums is not None and not output.finished and not self._queue.empty():
             output = self._queue.get_nowait()
         self._done = output.finished
         if output.error:
             raise RequestFailedError(output.error, output.error_param)
-        return output
+        # Every delta put so far is read now (the last one ends the stream), so the sums are this output's.
+        return self._sums.output() if self._sums is not None else output
 
     def close(self) -> None:
         if not self.finished:
@@ -166,6 +178,38 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info) -> None:
         self.close()
+
+
+class _OutputSums:
+    """A request's deltas added up into the cumulative output the engine would have made: each
+    sample's text, tokens and logprobs so far, and the prompt's logprobs, which only the first
+    delta holds. Samples keep their index in every delta (all of them are in each one)."""
+
+    def __init__(self):
+        self._texts: dict[int, str] = {}
+        self._token_ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list] = {}
+        self._prompt_logprobs = None
+        self._latest: RequestOutput | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        for sample in delta.outputs:
+            i = sample.index
+            self._texts[i] = self._texts.get(i, "") + sample.text
+            self._token_ids.setdefault(i, []).extend(sample.token_ids)
+            if sample.logprobs is not None:
+                self._logprobs.setdefault(i, []).extend(sample.logprobs)
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        self._latest = delta
+
+    def output(self) -> RequestOutput:
+        """Everything so far: the latest delta, with each sample's sums in copies of their own."""
+        samples = [CompletionOutput(
+            s.index, self._texts[s.index], list(self._token_ids[s.index]), s.finish_reason,
+            None if s.logprobs is None else list(self._logprobs.get(s.index, ())), s.cumulative_logprob)
+            for s in self._latest.outputs]
+        return dataclasses.replace(self._latest, outputs=samples, prompt_logprobs=self._prompt_logprobs)
 
 
 class AsyncEngine:
@@ -308,6 +352,8 @@ class AsyncEngine:
         self._pending += params.num_samples
         # A batch's caller reads the first failure only: the others are marked retrieved here.
         accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if params.output_kind == RequestOutputKind.CUMULATIVE:   # the stream adds the deltas up
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self._commands.put(("add", request_id, prompt, params, priority, lora_request, accepted))
         return stream, accepted
 
