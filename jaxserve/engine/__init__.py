@@ -50,6 +50,10 @@
     -> RequestOutput per request that moved (a final-only one: when it finishes; `progress_observer`,
        if set, hears its token counts meanwhile); `step_observer`, if set, gets the step's StepTimes
 
+`AsyncEngine` (async_engine.py) calls step() on a thread of its own and hands each request's
+outputs to its `RequestStream` on the event loop. The engine makes a cumulative stream's outputs
+as deltas, and the stream adds them up there: the engine thread never copies a whole sample.
+
 On a mesh with D data slices, `SlicedScheduler` (data_slices.py) holds one Scheduler and
 PageAllocator per slice, each on its own part of the pool, and places each new request on the
 least-loaded one; the runner lays the slices out side by side. Over several processes, process 0's

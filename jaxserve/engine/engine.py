@@ -170,7 +170,7 @@ class _Group:
 
     def metrics(self) -> RequestMetrics:
         """Final once the first token is sampled: the first sample was scheduled by then, and a
-        sample's first scheduled time, once set, stays (forks have none of their own)."""
+        sample scheduled later (a fork readmitted after a preemption) cannot lower the minimum."""
         if self._metrics is not None:
             return self._metrics
         scheduled = [s.first_scheduled_time for s in self.samples if s.first_scheduled_time is not None]
