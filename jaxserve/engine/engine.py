@@ -149,7 +149,7 @@ class _Group:
     @property
     def finished(self) -> bool:
         samples = self.samples
-        if len(samples) == 1:   # the usual request: no generator (0.84 us against 0.15)
+        if len(samples) == 1:   # the usual request: no generator (0.84 us against 0.22-0.28)
             return samples[0].is_finished
         return all(s.is_finished for s in samples)
 
