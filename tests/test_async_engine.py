@@ -80,22 +80,31 @@ def test_stream_is_cumulative_and_matches_a_synchronous_run(tiny_engine):
     assert pool_is_full(tiny_engine)
 
 
-def test_a_consumer_behind_gets_the_latest_cumulative_output_and_every_delta(tiny_engine):
-    expected = sync_generate(tiny_engine, "The sea is", GREEDY).outputs[0]
+def test_a_consumer_behind_gets_the_latest_cumulative_output_or_the_deltas_joined(tiny_engine):
+    params = dataclasses.replace(GREEDY, logprobs=1, prompt_logprobs=1)
+    reference = sync_generate(tiny_engine, "The sea is", params)
+    expected = reference.outputs[0]
 
     async def scenario(engine):
-        cumulative = await engine.add_request("The sea is", GREEDY)
-        delta = await engine.add_request("The sea is", dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA))
-        while not (cumulative.finished and delta.finished):   # nothing read until both have finished
+        cumulative = await engine.add_request("The sea is", params)
+        delta = await engine.add_request("The sea is", dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
+        first = await anext(delta)   # one read at the first token; the rest waits until both have finished
+        while not (cumulative.finished and delta.finished):
             await asyncio.sleep(0.01)
-        return await collect(cumulative), await collect(delta)
+        return await collect(cumulative), [first, *await collect(delta)]
 
     cumulative, deltas = run(tiny_engine, scenario)
     assert [o.finished for o in cumulative] == [True]
     assert (cumulative[0].outputs[0].token_ids, cumulative[0].outputs[0].text) == (expected.token_ids, expected.text)
-    assert len(deltas) == len(expected.token_ids)   # one token a step
+    assert [o.finished for o in deltas] in ([False, True], [True])   # the first read may find the end already
     assert [t for o in deltas for t in o.outputs[0].token_ids] == expected.token_ids
     assert "".join(o.outputs[0].text for o in deltas) == expected.text
+    joined_logprobs = [lp for o in deltas for lp in o.outputs[0].logprobs]   # batched with the other: ~1e-6 apart
+    assert [lp.token_id for lp in joined_logprobs] == [lp.token_id for lp in expected.logprobs]
+    assert [lp.logprob for lp in joined_logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    assert len(deltas[0].prompt_logprobs) == len(reference.prompt_logprobs) and deltas[-1].outputs[0].logprobs
+    assert all(o.prompt_logprobs is None for o in deltas[1:])
+    assert deltas[-1].outputs[0].finish_reason == expected.finish_reason
     assert pool_is_full(tiny_engine)
 
 
@@ -152,6 +161,10 @@ def test_the_observer_hears_every_token_once_whatever_the_output_kind(tiny_engin
         heard.setdefault(name, []).append(args)
     assert heard["prompt_tokens"] == [(len(prompt),)]
     assert len(heard["first_token"]) == 1 and len(heard["finished"]) == 1
+    [(finished,)] = heard["finished"]   # whole counts, though a delta stream's last output holds one token
+    assert (finished.num_prompt_tokens, finished.num_output_tokens, finished.finish_reasons) == (len(prompt), 12,
+                                                                                                 ["length"])
+    assert finished.times.arrival_time <= finished.times.first_scheduled_time <= finished.times.first_token_time
     new_tokens = heard["new_tokens"]
     assert [count for count, _ in new_tokens] == [1] * 12   # one token a step, each heard once
     assert new_tokens[0][1] is None and all(gap > 0 for _, gap in new_tokens[1:])

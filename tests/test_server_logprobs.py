@@ -61,18 +61,24 @@ def test_generate_shape():
     assert last["logprob"] == LOWEST_LOGPROB
 
 
-def test_deltas_carry_the_logprobs_of_new_tokens_even_when_text_is_held_back():
+def test_deltas_carry_the_tokens_and_logprobs_whose_text_was_held_back():
     deltas = TextDeltas(n=1)
 
-    def output(text, count, reason=None):
-        sample = CompletionOutput(0, text, [e.token_id for e in ENTRIES[:count]], reason, list(ENTRIES[:count]))
-        return RequestOutput("r", None, [1], [sample], reason is not None)
+    def output(text, tokens, reason=None):
+        sample = CompletionOutput(0, text, [e.token_id for e in ENTRIES[tokens]], reason, list(ENTRIES[tokens]))
+        prompt_logprobs = [None, ENTRIES[0]] if tokens.start == 0 else None   # the first delta's only
+        return RequestOutput("r", None, [1, 2], [sample], reason is not None, num_cached_tokens=0,
+                             prompt_logprobs=prompt_logprobs)
 
-    [first] = deltas.updates(0, output(" loc", 1))
-    assert (first.text, first.logprobs) == (" loc", ENTRIES[:1])
-    assert deltas.updates(0, output(" loc", 2)) == []   # the new token's text is held back
-    [last] = deltas.updates(0, output(" loc temper", 3, "length"))
+    [first] = deltas.updates(0, output(" loc", slice(0, 1)))
+    assert (first.text, first.logprobs, first.token_ids) == (" loc", ENTRIES[:1], [ENTRIES[0].token_id])
+    assert deltas.updates(0, output("", slice(1, 2))) == []   # the new token's text is held back
+    [last] = deltas.updates(0, output(" temper", slice(2, 3), "length"))
     assert (last.text, last.logprobs, last.finish_reason) == (" temper", ENTRIES[1:], "length")
+    assert last.token_ids == [e.token_id for e in ENTRIES[1:]]
+    assert deltas.updates(0, output("", slice(3, 3), "length")) == []   # a finished choice sends nothing more
+    assert (deltas.usage().prompt_tokens, deltas.usage().completion_tokens) == (2, 3)
+    assert deltas.prompt_logprobs == {0: [None, ENTRIES[0]]}   # kept for a choice whose first piece comes later
 
 
 def test_deltas_without_logprobs():

@@ -24,9 +24,10 @@ Each run reports the garbage collector's pauses; the start-up heap is frozen and
 collected less often, as a server's are (`--unfrozen`: each run again with Python's settings).
 `--scheduler-only`: `schedule` and `update` alone, no model.
 `--server`: the requests go through `AsyncEngine` with the server's metrics, and each is read as the
-server reads a reply: a final-only one (a reply sent whole) awaits its output, a cumulative or
-delta one (a stream) goes through `serving.merged` and `TextDeltas` on the event loop, which takes
-its share of the one interpreter lock (figures: README, "output_kind").
+server reads a reply: a final-only one (a reply sent whole) awaits its output, a delta one (a
+stream) goes through `serving.merged` and `TextDeltas` on the event loop, which takes its share of
+the one interpreter lock (figures: README, "output_kind"); a cumulative one is read as outputs
+its stream adds up, as a library's consumer of `AsyncEngine` reads them.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def _run_offline(engine, requests: list) -> float:
 
 async def _serve(engine, requests: list, times: list) -> float:
     """The requests through `AsyncEngine`, the server's metrics its observer, each read as the server
-    reads it: a final-only one awaits its output, a stream goes through `merged` and `TextDeltas`.
+    reads it: a final-only one awaits its output, a delta one (a stream) goes through `merged` and
+    `TextDeltas`; a cumulative one is read as a library's consumer reads it, summed by its stream.
     Returns when they were sent (perf_counter)."""
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.sampling_params import RequestOutputKind
@@ -162,6 +164,8 @@ async def _serve(engine, requests: list, times: list) -> float:
         streams = await admit(served, [prompt], params, f"bench-{i}")
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             return await final_outputs(streams)
+        if params.output_kind == RequestOutputKind.CUMULATIVE:
+            return [output async for output in streams[0]]
         deltas = TextDeltas(1)
         async for _, output in merged(streams):
             deltas.updates(0, output)

@@ -52,7 +52,8 @@
 
 `AsyncEngine` (async_engine.py) calls step() on a thread of its own and hands each request's
 outputs to its `RequestStream` on the event loop. The engine makes a cumulative stream's outputs
-as deltas, and the stream adds them up there: the engine thread never copies a whole sample.
+as deltas, and the stream adds them up there: the engine thread never copies a whole sample. The
+server's streams ask for deltas and send them on as they come (`server.serving.TextDeltas`).
 
 On a mesh with D data slices, `SlicedScheduler` (data_slices.py) holds one Scheduler and
 PageAllocator per slice, each on its own part of the pool, and places each new request on the

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from jaxserve.engine.engine import EngineStats, LLMEngine
-from jaxserve.engine.output import CompletionOutput, RequestOutput
+from jaxserve.engine.output import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -66,8 +66,11 @@ class FinishedRequest:
     e2e_seconds: float               # from arrival at the async engine
     finished_time: float             # time.monotonic()
     params: SamplingParams
-    output: RequestOutput | None     # the final output (None: closed by its consumer first)
     lora_name: str | None = None     # the LoRA adapter it ran with
+    # Of a request that ran to its end (None: closed by its consumer first, or failed):
+    num_prompt_tokens: int | None = None
+    num_output_tokens: int | None = None   # every returned sample's tokens (best_of: the n best's)
+    times: RequestMetrics | None = None
 
 
 class RequestObserver(Protocol):
@@ -82,14 +85,16 @@ class RequestObserver(Protocol):
 
 
 class RequestStream:
-    """The outputs of one request, as its `output_kind` asks; iterate with `async for`. Of the
-    cumulative outputs waiting when it is read, only the latest comes (deltas all come).
+    """The outputs of one request, as its `output_kind` asks; iterate with `async for`. A reader
+    that has fallen behind (a slow client, a busy event loop) gets, of the outputs waiting, the
+    latest cumulative one, or the deltas joined into one (as vLLM's): its work per read stays
+    bounded either way.
 
     The engine makes a cumulative stream's outputs as deltas (`AsyncEngine` asks it for DELTA),
     and the stream adds them up here, on the event loop. So the engine thread does not copy every
     sample's tokens at every step, a cost that grows with the output (256 streams at their 448th
-    token: the engine's outputs took 1.60-1.76 ms a step as cumulative ones, 1.32-1.37 as deltas),
-    and a stream copies its tokens once per output read, not once per step.
+    token: the engine's outputs took 1.60-1.76 ms a step as cumulative ones, 1.32-1.37 as deltas).
+    The server streams deltas, and adds nothing up.
 
     `close()` (also on leaving `async with`) aborts the request if it has not finished.
     """
@@ -102,6 +107,9 @@ class RequestStream:
         self.num_samples = params.n
         # the outputs so far of a cumulative stream, whose engine outputs are deltas
         self._sums = _OutputSums() if params.output_kind == RequestOutputKind.CUMULATIVE else None
+        # Whether each engine output holds only what is new: not a final-only one, nor the one
+        # output of a best_of request (whose samples are ranked only once all have finished).
+        self._deltas = params.output_kind != RequestOutputKind.FINAL_ONLY and params.num_samples == params.n
         self.finished = False
         self._abort = abort
         self._observer = observer
@@ -117,16 +125,19 @@ class RequestStream:
             self._sums.add(output)
         if self._observer is not None:
             total = sum(len(o.token_ids) for o in output.outputs)
-            if self.params.output_kind != RequestOutputKind.FINAL_ONLY:   # it holds the new tokens only
+            if self._deltas:
                 total += self._num_tokens or 0
             self._observe(len(output.prompt_token_ids), total, when)
             if output.finished:
-                reasons = ["error"] * self.num_samples if output.error else [
-                    o.finish_reason or "abort" for o in output.outputs]
-                final = self._sums.output() if self._sums is not None else output
-                self._observer.finished(FinishedRequest(reasons, when - self._arrival, when, self.params, final,
-                                                        self.lora_name))
+                self._observer.finished(self._finished_request(output, total, when))
         self._queue.put_nowait(output)
+
+    def _finished_request(self, output: RequestOutput, total: int, when: float) -> FinishedRequest:
+        if output.error:
+            return FinishedRequest(["error"] * self.num_samples, when - self._arrival, when, self.params,
+                                   self.lora_name)
+        return FinishedRequest([o.finish_reason or "abort" for o in output.outputs], when - self._arrival, when,
+                               self.params, self.lora_name, len(output.prompt_token_ids), total, output.metrics)
 
     def progress(self, num_prompt_tokens: int, num_output_tokens: int, when: float) -> None:
         """A step that moved the request without an output for it (`LLMEngine.progress_observer`)."""
@@ -153,11 +164,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        output = await self._queue.get()
-        # A consumer that fell behind (a slow client, a busy event loop) gets the latest of the
-        # cumulative outputs waiting, which holds all the others: its work per step stays bounded.
-        while self._sums is not None and not output.finished and not self._queue.empty():
-            output = self._queue.get_nowait()
+        waiting = [await self._queue.get()]
+        while not waiting[-1].finished and not self._queue.empty():   # the reader has fallen behind
+            waiting.append(self._queue.get_nowait())
+        output = waiting[-1] if self._sums is not None else _joined(waiting)
         self._done = output.finished
         if output.error:
             raise RequestFailedError(output.error, output.error_param)
@@ -171,7 +181,7 @@ class RequestStream:
             if self._observer is not None:
                 now = time.monotonic()
                 self._observer.finished(FinishedRequest(["abort"] * self.num_samples, now - self._arrival, now,
-                                                        self.params, None, self.lora_name))
+                                                        self.params, self.lora_name))
 
     async def __aenter__(self) -> "RequestStream":
         return self
@@ -210,6 +220,20 @@ class _OutputSums:
             None if s.logprobs is None else list(self._logprobs.get(s.index, ())), s.cumulative_logprob)
             for s in self._latest.outputs]
         return dataclasses.replace(self._latest, outputs=samples, prompt_logprobs=self._prompt_logprobs)
+
+
+def _joined(deltas: list[RequestOutput]) -> RequestOutput:
+    """A request's deltas, one after the other, as one delta. Every delta holds every sample, in
+    order; the prompt's logprobs come in the first one only."""
+    last = deltas[-1]
+    if len(deltas) == 1 or last.error:   # a failed request's reader gets its error only
+        return last
+    samples = [CompletionOutput(
+        s.index, "".join(d.outputs[i].text for d in deltas), [t for d in deltas for t in d.outputs[i].token_ids],
+        s.finish_reason, None if s.logprobs is None else [lp for d in deltas for lp in d.outputs[i].logprobs],
+        s.cumulative_logprob) for i, s in enumerate(last.outputs)]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return dataclasses.replace(last, outputs=samples, prompt_logprobs=prompt_logprobs)
 
 
 class AsyncEngine:

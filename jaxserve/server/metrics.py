@@ -98,12 +98,11 @@ class Metrics:
         self._params_n.observe(request.params.n)
         if request.params.max_tokens is not None:
             self._params_max_tokens.observe(request.params.max_tokens)
-        output = request.output
-        if output is None or output.error:
+        if request.num_prompt_tokens is None:   # closed by its client first, or failed
             return
-        self._request_prompt.observe(len(output.prompt_token_ids))
-        self._request_generation.observe(sum(len(o.token_ids) for o in output.outputs))
-        times = output.metrics
+        self._request_prompt.observe(request.num_prompt_tokens)
+        self._request_generation.observe(request.num_output_tokens)
+        times = request.times
         if times is None or times.first_scheduled_time is None:
             return
         self._queue.observe(times.first_scheduled_time - times.arrival_time)

@@ -51,21 +51,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for sample in output.outputs:
             choices.append(CompletionChoice(
                 index=p * params.n + sample.index, text=echo + sample.text,
-                logprobs=_echoed_logprobs(body, output, sample.logprobs, texts, {}, 0),
+                logprobs=_echoed_logprobs(body, output, output.prompt_logprobs, sample.logprobs, texts, {}, 0),
                 finish_reason=openai_finish_reason(sample.finish_reason),
                 **_token_ids(body, output.prompt_token_ids, sample.token_ids), **extra))
     return json_response(CompletionResponse(**head, choices=choices, usage=usage(outputs)))
 
 
-def _echoed_logprobs(body: CompletionRequest, output: RequestOutput, entries, texts: TokenTexts,
+def _echoed_logprobs(body: CompletionRequest, output: RequestOutput, prompt_entries, entries, texts: TokenTexts,
                      offsets: dict[int, int], choice: int, first: bool = True) -> CompletionLogprobs | None:
-    """A choice's (or a streamed piece's) logprobs; under echo, its first carries the prompt's before
-    the completion's. `offsets`: choice -> length of the token texts sent (the next text_offset)."""
+    """A choice's (or a streamed piece's) logprobs; under echo, its first carries the prompt's
+    (`prompt_entries`) before the completion's. `offsets`: choice -> length of the token texts sent
+    (the next text_offset)."""
     if body.logprobs is None:
         return None
     prompt = None
     if first and body.echo:
-        prompt = echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, texts, body.logprobs)
+        prompt = echo_logprobs(output.prompt_token_ids, prompt_entries, texts, body.logprobs)
         offsets[choice] = sum(map(len, prompt.tokens))
     completion = None
     if entries:
@@ -110,27 +111,24 @@ def _token_ids(body, prompt_token_ids: list[int] | None, token_ids: list[int]) -
 
 async def _stream_completions(request: web.Request, body: CompletionRequest, streams: Sequence[RequestStream],
                               head: dict, n: int, texts: TokenTexts, tokenizer) -> web.StreamResponse:
-    deltas, finals, latest = TextDeltas(n), [], {}
+    deltas = TextDeltas(n)
     offsets: dict[int, int] = {}   # choice -> length of the token texts sent (the next text_offset)
     started: set[int] = set()      # choices whose first chunk was sent (echo and prompt ids go in it)
     async with EventStream(request) as events:
         async for p, output in merged(streams):
-            latest[p] = output
             for delta in deltas.updates(p, output):
                 first = delta.choice not in started
                 started.add(delta.choice)
                 choice = CompletionChoice(
                     index=delta.choice, text=(_prompt_text(output, tokenizer) if first and body.echo else "")
-                    + delta.text, logprobs=_echoed_logprobs(body, output, delta.logprobs, texts, offsets,
-                                                            delta.choice, first),
+                    + delta.text, logprobs=_echoed_logprobs(body, output, deltas.prompt_logprobs.get(p), delta.logprobs,
+                                                            texts, offsets, delta.choice, first),
                     finish_reason=openai_finish_reason(delta.finish_reason),
                     **_token_ids(body, output.prompt_token_ids if first else None, delta.token_ids))
-                await events.send(CompletionResponse(**head, choices=[choice], usage=usage(latest.values())
+                await events.send(CompletionResponse(**head, choices=[choice], usage=deltas.usage()
                                                      if body.continuous_usage else None))
-            if output.finished:
-                finals.append(output)
         if body.include_usage:
-            await events.send(CompletionResponse(**head, choices=[], usage=usage(finals)))
+            await events.send(CompletionResponse(**head, choices=[], usage=deltas.usage()))
     return events.response
 
 
@@ -191,7 +189,7 @@ async def _beam_chat(context, body: ChatCompletionRequest, prompt: list[int], to
 async def _stream_chat(request: web.Request, body: ChatCompletionRequest, streams: Sequence[RequestStream],
                        head: dict, n: int, texts: TokenTexts, parser: str | None, prompt: list[int],
                        echo: str) -> web.StreamResponse:
-    deltas, finals = TextDeltas(n), []
+    deltas = TextDeltas(n)
     replies = [ToolReply(body, parser) for _ in range(n)]
     held = [([], []) for _ in range(n)]   # per choice: logprobs and ids of tokens whose text a tool reply holds
     async with EventStream(request) as events:
@@ -214,11 +212,9 @@ async def _stream_chat(request: web.Request, body: ChatCompletionRequest, stream
                     finish_reason=reply.finish_reason(reply.text, delta.finish_reason),
                     logprobs=chat_logprobs(logprobs, texts) if logprobs else None,
                     **_token_ids(body, None, token_ids))],
-                    usage=usage([output]) if body.continuous_usage else None))
-            if output.finished:
-                finals.append(output)
+                    usage=deltas.usage() if body.continuous_usage else None))
         if body.include_usage:
-            await events.send(ChatCompletionChunk(**head, choices=[], usage=usage(finals)))
+            await events.send(ChatCompletionChunk(**head, choices=[], usage=deltas.usage()))
     return events.response
 
 

@@ -102,8 +102,9 @@ class SamplingFields(_Request):
             logprobs=self.num_logprobs(), best_of=self.samples_to_rank(), structured_outputs=self.constraint(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.num_prompt_logprobs(),
-            # a reply sent whole needs no output at every step (the metrics still see each step)
-            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY)
+            # a stream's handler sends what is new at each step; a reply sent whole needs no output at
+            # every step (the metrics still see each step)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     def constraints(self) -> dict[str, StructuredOutputsParams]:
         """The structured-output constraints the body gives, by the field that gives each."""

@@ -185,45 +185,54 @@ class ChoiceDelta:
     choice: int
     text: str
     finish_reason: str | None
-    logprobs: list[TokenLogprob] | None   # the new tokens' (None: not asked for); text held back
-                                          # for a stop string does not hold back its tokens' logprobs
-    token_ids: list[int]                  # the new tokens (held back with their text neither)
+    logprobs: list[TokenLogprob] | None   # the new tokens' (None: not asked for)
+    token_ids: list[int]                  # the new tokens
 
 
 class TextDeltas:
-    """Turns cumulative outputs into per-choice pieces: choice index = prompt index * n + sample."""
+    """Turns a stream's outputs, deltas, into per-choice pieces (choice index = prompt index * n +
+    sample). A choice's piece goes out when its text grows or it finishes: tokens whose text the
+    engine holds back (an incomplete character, what may begin a stop string) and their logprobs
+    go out with the next piece. Counts what usage reports, and keeps each prompt's logprobs, which
+    only its first delta holds."""
 
     def __init__(self, n: int):
         self.n = n
-        self._sent: dict[int, int] = {}         # choice -> characters sent
-        self._sent_tokens: dict[int, int] = {}  # choice -> logprob entries sent
-        self._sent_ids: dict[int, int] = {}     # choice -> token ids sent
+        self.prompt_logprobs: dict[int, list] = {}   # prompt index -> its prompt logprobs (asked for)
+        self._held: dict[int, tuple[list[int], list[TokenLogprob] | None]] = {}   # choice -> not sent yet
         self._finished: set[int] = set()
+        self._latest: dict[int, RequestOutput] = {}  # prompt index -> its latest delta
+        self._num_output_tokens = 0
 
     def updates(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
         """A delta for each choice whose text grew or that finished."""
+        self._latest[prompt_index] = output
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
         moved = []
         for sample in output.outputs:
+            self._num_output_tokens += len(sample.token_ids)
             choice = prompt_index * self.n + sample.index
             if choice in self._finished:
                 continue
-            new = sample.text[self._sent.get(choice, 0):]
-            if new or sample.finish_reason:
-                self._sent[choice] = len(sample.text)
-                new_ids = sample.token_ids[self._sent_ids.get(choice, 0):]
-                self._sent_ids[choice] = len(sample.token_ids)
-                moved.append(ChoiceDelta(choice, new, sample.finish_reason, self._new_logprobs(choice, sample),
-                                         list(new_ids)))
+            token_ids, logprobs = sample.token_ids, sample.logprobs
+            if choice in self._held:
+                held_ids, held_logprobs = self._held.pop(choice)
+                token_ids = held_ids + token_ids
+                logprobs = None if logprobs is None else held_logprobs + logprobs
+            if sample.text or sample.finish_reason:
+                moved.append(ChoiceDelta(choice, sample.text, sample.finish_reason, logprobs, token_ids))
                 if sample.finish_reason:
                     self._finished.add(choice)
+            elif token_ids:
+                self._held[choice] = token_ids, logprobs
         return moved
 
-    def _new_logprobs(self, choice: int, sample) -> list[TokenLogprob] | None:
-        if sample.logprobs is None:
-            return None
-        sent = self._sent_tokens.get(choice, 0)
-        self._sent_tokens[choice] = len(sample.logprobs)
-        return sample.logprobs[sent:]
+    def usage(self) -> Usage:
+        """The tokens of every prompt seen and of every sample so far."""
+        outputs = self._latest.values()
+        return _usage(sum(len(o.prompt_token_ids) for o in outputs), self._num_output_tokens,
+                      sum(o.num_cached_tokens or 0 for o in outputs))
 
 
 def json_response(model: BaseModel) -> web.Response:
@@ -231,9 +240,13 @@ def json_response(model: BaseModel) -> web.Response:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    """Of final outputs."""
+    return _usage(sum(len(o.prompt_token_ids) for o in outputs),
+                  sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                  sum(o.num_cached_tokens or 0 for o in outputs))
+
+
+def _usage(prompt: int, completion: int, cached: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
