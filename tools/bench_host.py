@@ -22,6 +22,8 @@ have the last token, by two programs per bucket compiled on first use: a first, 
 the same requests compiles them.
 Each run reports the garbage collector's pauses; the start-up heap is frozen and young objects
 collected less often, as a server's are (`--unfrozen`: each run again with Python's settings).
+`--logprobs N`: every request asks for its tokens' logprobs and N top ones (what a stream then
+carries grows with it: `--output-kind delta --output-tokens 448`).
 `--scheduler-only`: `schedule` and `update` alone, no model.
 `--server`: the requests go through `AsyncEngine` with the server's metrics, and each is read as the
 server reads a reply: a final-only one (a reply sent whole) awaits its output, a delta one (a
@@ -89,7 +91,8 @@ def schema(index: int) -> dict:
 
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: int,
         async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False,
-        freeze: bool = True, server: bool = False, temperature: float = 0.0, top_p: float = 1.0):
+        freeze: bool = True, server: bool = False, temperature: float = 0.0, top_p: float = 1.0,
+        logprobs: int | None = None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.host_memory import freeze_startup_heap
@@ -103,7 +106,8 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
     startup = time.perf_counter() - started
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind[output_kind.upper()],
-                            frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
+                            frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0,
+                            logprobs=logprobs)
     requests = [(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
         json=schema(i)) if structured and i % structured == 0 else None)) for i in range(num_seqs)]
     if structured and async_scheduling:   # the split steps their buckets take compile on first use
@@ -260,6 +264,8 @@ def main() -> None:
     parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
     parser.add_argument("--penalized", action="store_true", help="frequency and presence penalties on every request")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="every request asks for its tokens' logprobs and this many top ones")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's (default 1: off)")
     parser.add_argument("--output-kind", nargs="+", default=["final_only"], choices=["cumulative", "delta", "final_only"],
                         help="what each request's outputs hold (RequestOutputKind); final_only is what LLM.generate "
@@ -286,6 +292,7 @@ def main() -> None:
         label += f", a JSON schema for 1 request in {args.structured}" if args.structured else ""
         label += ", penalised" if args.penalized else ""
         label += f", temperature {args.temperature}" if args.temperature else ""
+        label += f", logprobs={args.logprobs}" if args.logprobs is not None else ""
         label += f", top_p {args.top_p}" if args.top_p < 1 else ""
         for num_seqs in args.num_seqs:
             for kind in args.output_kind:
@@ -294,7 +301,8 @@ def main() -> None:
                     for freeze in (True, False)[:1 + args.unfrozen]:
                         times, wall, startup, loaded, pauses = run(
                             model, loaded, num_seqs, args.output_tokens, prompts, args.structured, async_scheduling,
-                            kind, args.penalized, freeze, args.server, args.temperature, args.top_p)
+                            kind, args.penalized, freeze, args.server, args.temperature, args.top_p,
+                            args.logprobs)
                         report(f"{label}, {kind} outputs{', through AsyncEngine' if args.server else ''}, "
                                f"async scheduling {'on' if async_scheduling else 'off'}"
                                f"{'' if freeze else ', start-up heap not frozen'}",

@@ -130,6 +130,9 @@ class _Group:
     error_param: str | None = None   # set when the request itself caused `error` (see RequestOutput)
     first_token_time: float | None = None   # monotonic
     logprobs: list[list[TokenLogprob]] = dataclasses.field(init=False)   # per sample, per token
+    # per sample, the sum of `logprobs`' as they come: summed anew for each output it took 13 us
+    # at a stream's 448th token (256 streams asking for logprobs: ~3 ms a step)
+    cumulative_logprobs: list[float] = dataclasses.field(init=False)
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)   # [i]: of prompt token i + 1
     sent: list[tuple[int, int]] = dataclasses.field(init=False)   # DELTA: per sample, (tokens, characters) sent
     has_output: bool = False   # an output was made (DELTA sends the prompt's logprobs in the first only)
@@ -142,6 +145,7 @@ class _Group:
 
     def __post_init__(self):
         self.logprobs = [[] for _ in self.samples]
+        self.cumulative_logprobs = [0.0] * len(self.samples)
         self.sent = [(0, 0)] * len(self.samples)
         params = self.samples[0].params
         self.streams = params.num_samples == params.n and params.output_kind != RequestOutputKind.FINAL_ONLY
@@ -190,7 +194,7 @@ class _Group:
         return CompletionOutput(
             i, text[characters:], sample.output_token_ids[tokens:], reason,
             logprobs=logprobs[tokens:] if sample.params.logprobs is not None else None,
-            cumulative_logprob=sum(lp.logprob for lp in logprobs) if computed else None)
+            cumulative_logprob=self.cumulative_logprobs[i] if computed else None)
 
 
 def _likelihood(output: CompletionOutput) -> float:
@@ -611,7 +615,7 @@ class LLMEngine:
         results, progress, constrained = [], {}, bool(self._matchers)
         for request_id, group in list(self._groups.items()):
             touched, ended, streams = False, False, group.streams
-            for sample, text, sample_logprobs in zip(group.samples, group.texts, group.logprobs):
+            for k, (sample, text, sample_logprobs) in enumerate(zip(group.samples, group.texts, group.logprobs)):
                 run = received.get(sample.request_id)
                 if run is None:
                     continue
@@ -620,7 +624,9 @@ class LLMEngine:
                 try:
                     for i, token in enumerate(run):
                         if run_logprobs is not None:
-                            sample_logprobs.append(run_logprobs[i])
+                            entry = run_logprobs[i]
+                            sample_logprobs.append(entry)
+                            group.cumulative_logprobs[k] += entry.logprob
                         dead_end = constrained and self._constrain(sample, token)
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
