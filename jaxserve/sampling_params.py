@@ -139,5 +139,11 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def streams(self) -> bool:
+        """Whether the request has an output at every step it moves: not when it asks for its final
+        output only, nor with best_of > n, whose returned samples are known only at the end."""
+        return self.num_samples == self.n and self.output_kind != RequestOutputKind.FINAL_ONLY
+
+    @property
     def penalizes(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -107,9 +107,7 @@ class RequestStream:
         self.num_samples = params.n
         # the outputs so far of a cumulative stream, whose engine outputs are deltas
         self._sums = _OutputSums() if params.output_kind == RequestOutputKind.CUMULATIVE else None
-        # Whether each engine output holds only what is new: not a final-only one, nor the one
-        # output of a best_of request (whose samples are ranked only once all have finished).
-        self._deltas = params.output_kind != RequestOutputKind.FINAL_ONLY and params.num_samples == params.n
+        self._deltas = params.streams   # each engine output holds only what is new (else: everything)
         self.finished = False
         self._abort = abort
         self._observer = observer
@@ -167,7 +165,12 @@ class RequestStream:
         waiting = [await self._queue.get()]
         while not waiting[-1].finished and not self._queue.empty():   # the reader has fallen behind
             waiting.append(self._queue.get_nowait())
-        output = waiting[-1] if self._sums is not None else _joined(waiting)
+        output = waiting[-1]
+        if self._sums is None and len(waiting) > 1:   # deltas: joined into one
+            joined = _OutputSums()
+            for delta in waiting:
+                joined.add(delta)
+            output = joined.output()
         self._done = output.finished
         if output.error:
             raise RequestFailedError(output.error, output.error_param)
@@ -191,9 +194,10 @@ class RequestStream:
 
 
 class _OutputSums:
-    """A request's deltas added up into the cumulative output the engine would have made: each
-    sample's text, tokens and logprobs so far, and the prompt's logprobs, which only the first
-    delta holds. Samples keep their index in every delta (all of them are in each one)."""
+    """A request's deltas added up into the cumulative output the engine would have made (or a
+    reader's waiting deltas joined into one): each sample's text, tokens and logprobs so far, and
+    the prompt's logprobs, which only the first delta holds. Samples keep their index in every
+    delta (all of them are in each one)."""
 
     def __init__(self):
         self._texts: dict[int, str] = {}
@@ -220,20 +224,6 @@ class _OutputSums:
             None if s.logprobs is None else list(self._logprobs.get(s.index, ())), s.cumulative_logprob)
             for s in self._latest.outputs]
         return dataclasses.replace(self._latest, outputs=samples, prompt_logprobs=self._prompt_logprobs)
-
-
-def _joined(deltas: list[RequestOutput]) -> RequestOutput:
-    """A request's deltas, one after the other, as one delta. Every delta holds every sample, in
-    order; the prompt's logprobs come in the first one only."""
-    last = deltas[-1]
-    if len(deltas) == 1 or last.error:   # a failed request's reader gets its error only
-        return last
-    samples = [CompletionOutput(
-        s.index, "".join(d.outputs[i].text for d in deltas), [t for d in deltas for t in d.outputs[i].token_ids],
-        s.finish_reason, None if s.logprobs is None else [lp for d in deltas for lp in d.outputs[i].logprobs],
-        s.cumulative_logprob) for i, s in enumerate(last.outputs)]
-    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
-    return dataclasses.replace(last, outputs=samples, prompt_logprobs=prompt_logprobs)
 
 
 class AsyncEngine:

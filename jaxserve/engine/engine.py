@@ -148,7 +148,7 @@ class _Group:
         self.cumulative_logprobs = [0.0] * len(self.samples)
         self.sent = [(0, 0)] * len(self.samples)
         params = self.samples[0].params
-        self.streams = params.num_samples == params.n and params.output_kind != RequestOutputKind.FINAL_ONLY
+        self.streams = params.streams
 
     @property
     def finished(self) -> bool:
