@@ -113,7 +113,7 @@ class BatchLayout:
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.arange(num_tokens, dtype=np.int32) % ps  # padding writes into page 0
-        ragged = _RaggedRows(bucket, self.table_width)
+        ragged = _RaggedRows(gd * (1 if dl == 1 else 2) + 2 * gp + 1, self.table_width)
         logits_index = np.zeros(num_rows, np.int32)
         prompt_index = np.zeros(num_tokens, np.int32)
         prompt_target = np.full(num_tokens, -1, np.int32)
@@ -125,21 +125,21 @@ class BatchLayout:
         decodes, others = [], []
         for s in sequences:
             (decodes if is_decode(s) else others).append(s)
-        if _single_tokens(decodes):
+        if _single_tokens(decodes) and dl == 1:
             # The usual step: one token each. Laid out a column at a time, in the order the loop
             # below would give them rows (256 decodes: ~4 ms row by row, ~0.5 ms by columns).
-            at = np.arange(len(decodes), dtype=np.int32) * dl
+            at = np.arange(len(decodes), dtype=np.int32)
             pos = np.array([s.start_position for s in decodes], np.int32)
             token_ids[at] = [s.token_ids[0] for s in decodes]
             positions[at] = pos
-            decode_rows = ragged.add_decodes([s.block_table for s in decodes], pos + 1, dl)
-            slots[at] = ragged.block_tables[decode_rows, pos // ps] * ps + pos % ps
+            tables = ragged.add_decodes([s.block_table for s in decodes], pos + 1)
+            slots[at] = tables[at, pos // ps] * ps + pos % ps
             placeholders = [i for i, s in enumerate(decodes) if s.placeholder]
             placeholder_rows[at[placeholders]] = [_previous_row(decodes[i], previous_rows) for i in placeholders]
             sampled = [i for i, s in enumerate(decodes) if s.samples]
             logits_index[at[sampled]] = at[sampled]
             for i in sampled:
-                rows[i * dl] = decodes[i]
+                rows[i] = decodes[i]
             if lora_slots:
                 token_lora_slots[at] = [lora_slots.get(s.request_id, 0) for s in decodes]
             sequences = others
@@ -179,7 +179,7 @@ class BatchLayout:
             scored += len(targets)
         for chunk in sorted(chunks, key=lambda chunk: chunk[0]):   # decode slots first, then segments
             ragged.add(*chunk)
-        attention = AttentionMetadata(positions=positions, slot_mapping=slots, ragged=ragged.done(), num_decode=gd,
+        attention = AttentionMetadata(positions=positions, slot_mapping=slots, rows=ragged.done(), num_decode=gd,
                                       num_segments=gp, decode_len=dl)
         sampling = sampling_tensors(rows, num_rows, self.vocab_size, self.history_width, token_masks)
         return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target,
@@ -226,33 +226,25 @@ def draft_row(s: ScheduledSequence, i: int) -> ScheduledSequence:
 
 
 class _RaggedRows:
-    """The step's `RaggedRows`, filled in packed order."""
+    """The step's `RaggedRows`, filled in packed order: one row per chunk, with a row of padding
+    (kv_len 0) over each gap before one. At most: Gd decodes, the decode slots' padding, and Gp
+    chunks each after a gap."""
 
-    def __init__(self, bucket: Bucket, table_width: int):
-        # At most: a row per decode slot and one over the padding after each when the slots hold
-        # drafts (L > 1), and a row per prompt chunk and one over the gap before each (Gp at most)
-        max_rows = bucket.num_decode * (1 if bucket.decode_len == 1 else 2) + 2 * bucket.num_segments + 1
+    def __init__(self, max_rows: int, table_width: int):
         self.block_tables = np.zeros((max_rows, table_width), np.int32)
         self.kv_lens = np.zeros(max_rows, np.int32)
         self.cu_q_lens = np.zeros(max_rows + 1, np.int32)
         self.used = 0
 
-    def add_decodes(self, tables: list, kv_lens: np.ndarray, decode_len: int) -> np.ndarray:
-        """The first rows: single-token decodes in slots 0, 1, ..., a row of padding between two
-        when a slot is longer (L > 1). Returns each decode's row."""
-        n, step = len(tables), 1 if decode_len == 1 else 2
-        rows = np.arange(n) * step
-        for row, table in zip(rows.tolist(), tables):
-            self.block_tables[row, :len(table)] = table
-        self.kv_lens[rows] = kv_lens
-        starts = np.arange(n, dtype=np.int32) * decode_len
-        ends = np.empty(max(step * n - step + 1, 0), np.int32)   # each row's end: a decode's, then its padding's
-        ends[0::step] = starts + 1
-        if step == 2:
-            ends[1::2] = starts[1:]
-        self.cu_q_lens[1:len(ends) + 1] = ends
-        self.used = len(ends)
-        return rows
+    def add_decodes(self, tables: list, kv_lens: np.ndarray) -> np.ndarray:
+        """The first rows: single-token decodes in slots 0, 1, ... (L = 1). Returns the block tables."""
+        n = len(tables)
+        for i, table in enumerate(tables):
+            self.block_tables[i, :len(table)] = table
+        self.kv_lens[:n] = kv_lens
+        self.cu_q_lens[1:n + 1] = np.arange(1, n + 1)
+        self.used = n
+        return self.block_tables
 
     def add(self, start: int, num_tokens: int, kv_len: int, table: np.ndarray) -> None:
         row = self.used

@@ -87,12 +87,12 @@ class AttentionMetadata:
 
     positions: jax.Array     # [T] int32: position in its sequence; -1 for padding
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset to write K/V; 0..page_size-1 pads
-    ragged: RaggedRows
-    num_decode: int = struct.field(pytree_node=False)     # Gd: decode slots
-    num_segments: int = struct.field(pytree_node=False)   # Gp: prompt segments
+    rows: RaggedRows
+    num_decode: int = struct.field(pytree_node=False, default=0)     # Gd: decode slots
+    num_segments: int = struct.field(pytree_node=False, default=0)   # Gp: prompt segments
     decode_len: int = struct.field(pytree_node=False, default=1)     # L: 1, or 1 + speculative drafts
     groups: tuple[QueryGroup, QueryGroup] | None = None   # the XLA backend's decode slots and segments,
-                                                          # gathered from `ragged` on the device (prepare)
+                                                          # gathered from `rows` on the device (prepare)
 
 
 class AttentionBackend(Protocol):
@@ -215,7 +215,7 @@ class XlaPagedAttention:
         """The decode slots' and the segments' block tables and context lengths, gathered from the
         ragged rows: each slot's and segment's first token lies in the row of its sequence's chunk
         (or of padding), which every later token of it shares."""
-        rows, decode_end = meta.ragged, meta.num_decode * meta.decode_len
+        rows, decode_end = meta.rows, meta.num_decode * meta.decode_len
         segment = (meta.positions.shape[0] - decode_end) // max(meta.num_segments, 1)
         firsts = jnp.concatenate([jnp.arange(meta.num_decode, dtype=jnp.int32) * meta.decode_len,
                                   decode_end + jnp.arange(meta.num_segments, dtype=jnp.int32) * segment])
@@ -234,11 +234,11 @@ class XlaPagedAttention:
         window = jnp.asarray(self.layer_windows)[layer] if self.layer_windows else self.sliding_window
         groups = meta.groups if meta.groups is not None else self.prepare(meta).groups   # called alone (tests)
         outs = []
-        for group, num_rows, start, stop in ((groups[0], num_decode, 0, decode_end),
-                                             (groups[1], num_segments, decode_end, q.shape[0])):
-            if num_rows:
-                group_q = q[start:stop].reshape(num_rows, -1, *q.shape[1:])
-                group_pos = meta.positions[start:stop].reshape(num_rows, -1)
+        for group, rows, start, stop in ((groups[0], num_decode, 0, decode_end),
+                                         (groups[1], num_segments, decode_end, q.shape[0])):
+            if rows:
+                group_q = q[start:stop].reshape(rows, -1, *q.shape[1:])
+                group_pos = meta.positions[start:stop].reshape(rows, -1)
                 out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk, window,
                                    self.softcap)
                 outs.append(out.reshape(-1, *q.shape[1:]))
@@ -263,7 +263,7 @@ class PallasPagedAttention:
         return meta
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
-        rows = meta.ragged
+        rows = meta.rows
         scales = () if kv_pages.k_scale is None else (kv_pages.k_scale, kv_pages.v_scale)
         kv_pages = KVPages(*rpa.write_kv(kv_pages.k, kv_pages.v, k, v, layer, meta.slot_mapping, *scales))
 
