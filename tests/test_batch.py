@@ -42,7 +42,7 @@ def random_step(rng, num_slices: int):
 def test_decodes_by_columns_equal_the_row_by_row_layout(seed, monkeypatch):
     rng = np.random.default_rng(seed)
     num_slices = 1 + seed % 2
-    layout = BatchLayout(PAGE, SEGMENT, 2, 16, VOCAB, 64)
+    layout = BatchLayout(PAGE, SEGMENT, 2, 16, VOCAB, 64, ragged_rows=True)
     output, previous = random_step(rng, num_slices)
     bucket = layout.needs(output, num_slices)
     bucket = Bucket(bucket.num_decode + 1, bucket.num_segments + 1, bucket.decode_len)   # padding too
