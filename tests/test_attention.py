@@ -51,6 +51,42 @@ def test_decode_slots_with_speculative_drafts_match_dense_attention(backend, see
     check_against_dense_attention(backend, 8, 2, 4, seed, max_drafts=4)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_xla_groups_gathered_from_the_ragged_rows_are_each_slots_and_segments_sequence(seed):
+    """XlaPagedAttention.prepare: every decode slot and prompt segment gets the block table and the
+    context length of the sequence whose tokens it holds, and a padded one gets none."""
+    rng = np.random.default_rng(seed)
+    page_size, segment, max_drafts = 4, 8, 3 * (seed % 2)
+    layout = BatchLayout(page_size, segment, pages_per_chunk=2, table_width=16, vocab_size=8, history_width=8)
+    sequences = []
+    for i in range(int(rng.integers(1, 10))):
+        num_tokens = int(rng.choice([1, 1, 2, 4, 9, 20]))
+        drafts = (0,) * (num_tokens - 1) if 1 < num_tokens <= 1 + max_drafts else ()
+        start = int(rng.integers(0, 30))
+        table = tuple(int(p) for p in rng.integers(1, 100, -(-(start + num_tokens) // page_size)))
+        sequences.append(ScheduledSequence(f"s{i}", (0,) * num_tokens, start, table, True, SamplingParams(), 0, 0,
+                                           draft_token_ids=drafts))
+    output = SchedulerOutput(tuple(sequences))
+    need = layout.needs(output)
+    bucket = Bucket(need.num_decode + 1, need.num_segments + 2, need.decode_len)   # padded slots and segments
+    batch, _ = layout.build(output, bucket)
+    decode, segments = jax.jit(XlaPagedAttention(2).prepare)(batch.attention).groups
+    expected = {"decode": [], "segments": []}
+    for s in sequences:
+        entry = (s.block_table, s.start_position + s.num_tokens)
+        if s.num_tokens == 1 or s.draft_token_ids:
+            expected["decode"].append(entry)
+        else:
+            expected["segments"] += [entry] * -(-s.num_tokens // segment)
+    for name, group, rows in (("decode", decode, bucket.num_decode), ("segments", segments, bucket.num_segments)):
+        entries = expected[name] + [((), 0)] * (rows - len(expected[name]))
+        tables = np.zeros((rows, 16), np.int32)
+        for row, (table, _) in enumerate(entries):
+            tables[row, :len(table)] = table
+        np.testing.assert_array_equal(group.block_tables, tables, err_msg=name)
+        np.testing.assert_array_equal(group.kv_lens, [kv_len for _, kv_len in entries], err_msg=name)
+
+
 def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, stale=None, max_drafts=0):
     """Random ragged sequences over a pool whose slots they do not fill hold random values, or
     `stale`; the result must be dense attention's. With `max_drafts`, short chunks are decodes
@@ -58,7 +94,7 @@ def check_against_dense_attention(backend, heads, kv_heads, page_size, seed, sta
     rng = np.random.default_rng(seed)
     dim, num_pages, segment = 16, 256, 8
     layout = BatchLayout(page_size, segment, pages_per_chunk=max(1, 16 // page_size), table_width=64,
-                         vocab_size=8, history_width=8, ragged_rows=backend == "pallas")
+                         vocab_size=8, history_width=8)
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
     k_pool = rng.normal(size=(2, kv_heads, num_pages, page_size, dim)).astype(np.float32)
     v_pool = rng.normal(size=k_pool.shape).astype(np.float32)

@@ -24,7 +24,8 @@
         Runner.launch()        picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
                                4, ... prefill segments: ~12 programs), builds its padded arrays
-                               (batch.py) and calls the jitted
+                               (batch.py; attention's as ragged rows, which every backend reads)
+                               and calls the jitted
                                step(params, kv_pages, sampled, batch) -> (tokens, prompt
                                logprobs, kv_pages, sampled), kv_pages donated, without waiting:
                                placeholders take their ids from the step before's tokens

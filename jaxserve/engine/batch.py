@@ -10,6 +10,9 @@ samples. A decode with drafts samples at each of its tokens (the target's token 
 Prompt rows, `T`: the packed index of each prompt token scored for prompt_logprobs and the prompt
 token it predicts, sequence after sequence (`prompt_rows` says whose), then padding (target -1).
 Padding tokens sit at position -1 and write their K/V into the reserved page 0.
+Attention reads the tokens as ragged rows (`RaggedRows`, every backend's one contract): a row per
+sequence's chunk in packed order, with its context length and block table, and a row of padding
+over each gap.
 A placeholder token (async scheduling: the sample of the step launched before, still on the
 device) has token id 0 and, in `placeholder_rows`, the logit row of that step that sampled it.
 
@@ -30,7 +33,7 @@ from flax import struct
 
 from jaxserve.engine.sampler import SamplingTensors, sampling_tensors
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from jaxserve.models.layers.attention import AttentionMetadata, QueryGroup, RaggedRows
+from jaxserve.models.layers.attention import AttentionMetadata, RaggedRows
 
 
 @struct.dataclass
@@ -70,7 +73,6 @@ class BatchLayout:
     table_width: int          # block table entries per row, a multiple of pages_per_chunk
     vocab_size: int
     history_width: int        # token history per sampled row (penalties): the context length
-    ragged_rows: bool = False # also describe the tokens as ragged rows (the Pallas backend)
 
     def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
         """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
@@ -82,9 +84,6 @@ class BatchLayout:
             else:
                 segments[s.data_slice] += math.ceil(s.num_tokens / self.segment)
         return Bucket(max(decode), max(segments), decode_len)
-
-    def num_chunks(self, kv_len: int) -> int:
-        return math.ceil(kv_len / (self.pages_per_chunk * self.page_size))
 
     def build(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1,
               previous_rows: Mapping[str, int] | None = None) -> tuple[StepInput, list[ScheduledSequence | None]]:
@@ -114,8 +113,7 @@ class BatchLayout:
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.arange(num_tokens, dtype=np.int32) % ps  # padding writes into page 0
-        decode = _GroupArrays(gd, dl, self.table_width)
-        prefill = _GroupArrays(gp, seg, self.table_width)
+        ragged = _RaggedRows(bucket, self.table_width)
         logits_index = np.zeros(num_rows, np.int32)
         prompt_index = np.zeros(num_tokens, np.int32)
         prompt_target = np.full(num_tokens, -1, np.int32)
@@ -124,7 +122,6 @@ class BatchLayout:
         scored = 0   # prompt rows filled
         rows: list[ScheduledSequence | None] = [None] * num_rows
         next_prefill_row = gd * dl
-        chunks = []   # (first packed token, tokens, context length, pages) of each sequence: ragged rows
         decodes, others = [], []
         for s in sequences:
             (decodes if is_decode(s) else others).append(s)
@@ -132,16 +129,11 @@ class BatchLayout:
             # The usual step: one token each. Laid out a column at a time, in the order the loop
             # below would give them rows (256 decodes: ~4 ms row by row, ~0.5 ms by columns).
             at = np.arange(len(decodes), dtype=np.int32) * dl
-            pos = [s.start_position for s in decodes]
-            tables = [s.block_table for s in decodes]
+            pos = np.array([s.start_position for s in decodes], np.int32)
             token_ids[at] = [s.token_ids[0] for s in decodes]
             positions[at] = pos
-            for i, table in enumerate(tables):
-                decode.block_tables[i, :len(table)] = table
-            pages = decode.block_tables[np.arange(len(decodes)), positions[at] // ps]
-            slots[at] = pages * ps + positions[at] % ps
-            decode.used = len(decodes)
-            decode.num_chunks = self.num_chunks(max(pos, default=-1) + 1)
+            decode_rows = ragged.add_decodes([s.block_table for s in decodes], pos + 1, dl)
+            slots[at] = ragged.block_tables[decode_rows, pos // ps] * ps + pos % ps
             placeholders = [i for i, s in enumerate(decodes) if s.placeholder]
             placeholder_rows[at[placeholders]] = [_previous_row(decodes[i], previous_rows) for i in placeholders]
             sampled = [i for i, s in enumerate(decodes) if s.samples]
@@ -150,18 +142,19 @@ class BatchLayout:
                 rows[i * dl] = decodes[i]
             if lora_slots:
                 token_lora_slots[at] = [lora_slots.get(s.request_id, 0) for s in decodes]
-            if self.ragged_rows:
-                chunks += [(int(a), 1, p + 1, t) for a, p, t in zip(at, pos, tables)]
             sequences = others
+        chunks = []   # (first packed token, tokens, context length, pages) of each sequence, for its ragged row
+        used_decodes = used_segments = 0
         for s in sequences:
             table = np.asarray(s.block_table, np.int32)
             pos = s.start_position + np.arange(s.num_tokens, dtype=np.int32)
-            kv_chunks = self.num_chunks(s.start_position + s.num_tokens)
             if is_decode(s):
-                row = decode.used * dl
-                at = row + decode.add(s.num_tokens, table, kv_chunks)
+                row = used_decodes * dl
+                at = row + np.arange(s.num_tokens)
+                used_decodes += 1
             else:
-                at = gd * dl + prefill.used * seg + prefill.add(s.num_tokens, table, kv_chunks)
+                at = gd * dl + used_segments * seg + np.arange(s.num_tokens)
+                used_segments += -(-s.num_tokens // seg)
                 row = next_prefill_row
                 next_prefill_row += s.samples
             chunks.append((int(at[0]), s.num_tokens, s.start_position + s.num_tokens, table))
@@ -184,11 +177,10 @@ class BatchLayout:
             prompt_index[scored:scored + len(targets)] = at[:len(targets)]
             prompt_target[scored:scored + len(targets)] = targets
             scored += len(targets)
-        max_ragged = gd * (1 if dl == 1 else 2) + 2 * gp + 1   # decode slots with drafts may leave gaps
-        ragged = _ragged_rows(chunks, max_ragged, self.table_width) if self.ragged_rows else None
-        attention = AttentionMetadata(positions=positions, slot_mapping=slots,
-                                      decode=decode.group(), prefill=prefill.group(), ragged=ragged,
-                                      decode_len=dl)
+        for chunk in sorted(chunks, key=lambda chunk: chunk[0]):   # decode slots first, then segments
+            ragged.add(*chunk)
+        attention = AttentionMetadata(positions=positions, slot_mapping=slots, ragged=ragged.done(), num_decode=gd,
+                                      num_segments=gp, decode_len=dl)
         sampling = sampling_tensors(rows, num_rows, self.vocab_size, self.history_width, token_masks)
         return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target,
                          placeholder_rows, token_lora_slots), rows
@@ -233,41 +225,45 @@ def draft_row(s: ScheduledSequence, i: int) -> ScheduledSequence:
     return dataclasses.replace(s, num_output_tokens=s.num_output_tokens + i, history=history)
 
 
-class _GroupArrays:
-    """Block tables of one attention group's rows, filled row by row."""
+class _RaggedRows:
+    """The step's `RaggedRows`, filled in packed order."""
 
-    def __init__(self, num_rows: int, row_len: int, table_width: int):
-        self.row_len = row_len
-        self.block_tables = np.zeros((num_rows, table_width), np.int32)
-        self.num_chunks = 0
+    def __init__(self, bucket: Bucket, table_width: int):
+        # At most: a row per decode slot and one over the padding after each when the slots hold
+        # drafts (L > 1), and a row per prompt chunk and one over the gap before each (Gp at most)
+        max_rows = bucket.num_decode * (1 if bucket.decode_len == 1 else 2) + 2 * bucket.num_segments + 1
+        self.block_tables = np.zeros((max_rows, table_width), np.int32)
+        self.kv_lens = np.zeros(max_rows, np.int32)
+        self.cu_q_lens = np.zeros(max_rows + 1, np.int32)
         self.used = 0
 
-    def add(self, num_tokens: int, table: np.ndarray, kv_chunks: int) -> np.ndarray:
-        """Gives one sequence's tokens the rows they need; returns their offsets from its first row."""
-        rows = -(-num_tokens // self.row_len)
-        self.block_tables[self.used:self.used + rows, :len(table)] = table
-        self.num_chunks = max(self.num_chunks, kv_chunks)
-        self.used += rows
-        return np.arange(num_tokens)
+    def add_decodes(self, tables: list, kv_lens: np.ndarray, decode_len: int) -> np.ndarray:
+        """The first rows: single-token decodes in slots 0, 1, ..., a row of padding between two
+        when a slot is longer (L > 1). Returns each decode's row."""
+        n, step = len(tables), 1 if decode_len == 1 else 2
+        rows = np.arange(n) * step
+        for row, table in zip(rows.tolist(), tables):
+            self.block_tables[row, :len(table)] = table
+        self.kv_lens[rows] = kv_lens
+        starts = np.arange(n, dtype=np.int32) * decode_len
+        ends = np.empty(max(step * n - step + 1, 0), np.int32)   # each row's end: a decode's, then its padding's
+        ends[0::step] = starts + 1
+        if step == 2:
+            ends[1::2] = starts[1:]
+        self.cu_q_lens[1:len(ends) + 1] = ends
+        self.used = len(ends)
+        return rows
 
-    def group(self) -> QueryGroup:
-        return QueryGroup(self.block_tables, np.array([self.num_chunks], np.int32))
-
-
-def _ragged_rows(chunks: list[tuple[int, int, int, np.ndarray]], max_rows: int, table_width: int) -> RaggedRows:
-    """One row per chunk, in packed order, with a row of padding (kv_len 0) over each gap before
-    one. At most: Gd decodes, the decode slots' padding, and Gp chunks each after a gap."""
-    block_tables = np.zeros((max_rows, table_width), np.int32)
-    kv_lens = np.zeros(max_rows, np.int32)
-    cu_q_lens = np.zeros(max_rows + 1, np.int32)
-    row = 0
-    for start, num_tokens, kv_len, table in sorted(chunks, key=lambda chunk: chunk[0]):
-        if start > cu_q_lens[row]:
-            cu_q_lens[row + 1] = start
+    def add(self, start: int, num_tokens: int, kv_len: int, table: np.ndarray) -> None:
+        row = self.used
+        if start > self.cu_q_lens[row]:   # padding before it
+            self.cu_q_lens[row + 1] = start
             row += 1
-        block_tables[row, :len(table)] = table
-        kv_lens[row] = kv_len
-        cu_q_lens[row + 1] = start + num_tokens
-        row += 1
-    cu_q_lens[row + 1:] = cu_q_lens[row]
-    return RaggedRows(block_tables, kv_lens, cu_q_lens, np.array([row], np.int32))
+        self.block_tables[row, :len(table)] = table
+        self.kv_lens[row] = kv_len
+        self.cu_q_lens[row + 1] = start + num_tokens
+        self.used = row + 1
+
+    def done(self) -> RaggedRows:
+        self.cu_q_lens[self.used + 1:] = self.cu_q_lens[self.used]
+        return RaggedRows(self.block_tables, self.kv_lens, self.cu_q_lens, np.array([self.used], np.int32))

@@ -173,8 +173,7 @@ class Runner:
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,
-                                  model.config.vocab_size, max_model_len,
-                                  ragged_rows=self.attention_backend == "pallas")
+                                  model.config.vocab_size, max_model_len)
         self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
         self.buckets = sorted(step_buckets(max_num_seqs, max_num_batched_tokens, prefill_segment)

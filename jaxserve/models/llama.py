@@ -217,6 +217,7 @@ class Llama(nnx.Module):
         """token_ids [T] int32 -> (the last layer's output [T, hidden], kv_pages with the K/V written).
         `lora_weights` (module -> (a, b), see layers/lora.py) with `lora_slots` [T] int32: the
         tokens' LoRA adapters."""
+        meta = attention.prepare(meta)   # once a step: the layers' loop would redo it in every layer
         x = embed_lookup(self.embed, token_ids, self.dtype)
         if self.cfg.gemma:   # by sqrt(hidden) in the compute dtype, as transformers rounds it
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)

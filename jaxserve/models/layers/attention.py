@@ -7,14 +7,18 @@ tokens write there, and nothing real ever reads it. Each layer first writes the 
 their pages (`slot_mapping`), then every query attends to its own sequence's pages, which now
 hold the whole context, causally by position.
 
-The step's tokens are packed along one axis `T = Gd * L + Gp * S` in two groups, so that a step that
-mixes decodes and prompt chunks costs about what its real tokens cost:
-  decode group  [Gd, L]   the first Gd * L tokens: one per sequence (decodes, 1-token prompt tails),
-                          L = 1, or 1 + K with K speculative drafts per decode
-  prefill group [Gp, S]   the rest: prompt chunks cut into segments of S tokens of one sequence
+The step's tokens are packed along one axis `T = Gd * L + Gp * S`, so that a step that mixes
+decodes and prompt chunks costs about what its real tokens cost:
+  decode slots  [Gd, L]   the first Gd * L tokens: one slot per sequence (decodes, 1-token prompt
+                          tails), L = 1, or 1 + K with K speculative drafts per decode
+  segments      [Gp, S]   the rest: prompt chunks cut into segments of S tokens of one sequence
                           (S = `--prefill-segment`)
-Padding tokens sit at position -1 and see nothing. Both groups loop over the context in chunks
-of pages with an online (flash) softmax, so no program is compiled per context length and no
+Padding tokens sit at position -1 and see nothing. Every backend reads one description of them,
+the Pallas kernels' contract (`RaggedRows`): contiguous rows of tokens, each a sequence's chunk or
+a run of padding, with its context length and block table. The XLA backend reads the decode slots
+and the segments as two groups of equal rows, whose block tables it gathers from the ragged rows
+once a step (`XlaPagedAttention.prepare`); each group loops over the context in chunks of pages
+with an online (flash) softmax, so no program is compiled per context length and no
 `[queries, context]` score matrix is ever built.
 """
 
@@ -57,19 +61,19 @@ class KVPages:
 
 @struct.dataclass
 class QueryGroup:
-    """The rows of one attention group: whose pages each row of queries reads."""
+    """The XLA backend's rows of one group (decode slots or segments), equal in length: whose
+    pages each row of queries reads. Gathered on the device from the step's `RaggedRows`."""
 
     block_tables: jax.Array  # [G, pages_per_seq] int32: the row's sequence's pages in order; 0 pads
-    num_chunks: jax.Array    # [1] int32: context chunks to visit, for the group's longest context
-                             # ([D] over D data slices: one per slice)
+    kv_lens: jax.Array       # [G] int32: the row's context length (0: padding)
 
 
 @struct.dataclass
 class RaggedRows:
-    """The same tokens as contiguous rows, as ragged kernels take them: row r's queries are the
+    """The step's tokens as contiguous rows, as ragged kernels take them: row r's queries are the
     packed tokens [cu_q_lens[r], cu_q_lens[r + 1]), a sequence's chunk or a run of padding (kv_len
-    0: it sees nothing); tokens past cu_q_lens[num_rows[0]] are padding too. Only the Pallas
-    backend reads them (`pallas_kernels.ragged_paged_attention`)."""
+    0: it sees nothing); tokens past cu_q_lens[num_rows[0]] are padding too. The one layout every
+    backend reads (`pallas_kernels.ragged_paged_attention`'s contract)."""
 
     block_tables: jax.Array  # [R, pages_per_seq] int32
     kv_lens: jax.Array       # [R] int32: context length, the row's tokens included
@@ -79,22 +83,25 @@ class RaggedRows:
 
 @struct.dataclass
 class AttentionMetadata:
-    """Where every packed token sits: its position, its KV slot and its attention group."""
+    """Where every packed token sits: its position, its KV slot and its row."""
 
     positions: jax.Array     # [T] int32: position in its sequence; -1 for padding
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset to write K/V; 0..page_size-1 pads
-    decode: QueryGroup       # the first Gd * L tokens, L to a row
-    prefill: QueryGroup      # the remaining T - Gd * L tokens, Gp rows of (T - Gd * L) / Gp
-    ragged: RaggedRows | None = None   # built when the backend asks for it
-    decode_len: int = struct.field(pytree_node=False, default=1)   # L: 1, or 1 + speculative drafts
-
-    def group_sizes(self) -> tuple[int, int]:
-        """(Gd, Gp), static: read off the array shapes."""
-        return self.decode.block_tables.shape[0], self.prefill.block_tables.shape[0]
+    ragged: RaggedRows
+    num_decode: int = struct.field(pytree_node=False)     # Gd: decode slots
+    num_segments: int = struct.field(pytree_node=False)   # Gp: prompt segments
+    decode_len: int = struct.field(pytree_node=False, default=1)     # L: 1, or 1 + speculative drafts
+    groups: tuple[QueryGroup, QueryGroup] | None = None   # the XLA backend's decode slots and segments,
+                                                          # gathered from `ragged` on the device (prepare)
 
 
 class AttentionBackend(Protocol):
-    """Writes the step's K/V into the pool and attends; the model calls nothing else."""
+    """Writes the step's K/V into the pool and attends; the model calls nothing else, and `prepare`
+    once a step, before the layers."""
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """`meta` with what the backend derives from it once for every layer."""
+        ...
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: KVPages,
                  layer: jax.Array, meta: AttentionMetadata) -> tuple[jax.Array, KVPages]:
@@ -135,6 +142,7 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
     kv_heads = kv_pages.k.shape[1]
     rep = heads // kv_heads
     chunk_len = pages_per_chunk * kv_pages.page_size
+    num_chunks = (group.kv_lens.max() + chunk_len - 1) // chunk_len   # for the group's longest context
 
     # Rows of one KV head and one sequence side by side: [kv_heads, G, rep * Q, D].
     qg = q.reshape(num_seqs, q_len, kv_heads, rep, head_dim).transpose(2, 0, 3, 1, 4)
@@ -171,8 +179,8 @@ def attend_group(q: jax.Array, q_pos: jax.Array, group: QueryGroup, kv_pages: KV
     first = 0
     if sliding_window is not None:   # the chunk holding the earliest key any row's window reaches
         earliest = jnp.where(q_pos >= 0, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max).min()
-        first = jnp.where(sliding_window == 0, 0, jnp.clip(earliest // chunk_len, 0, group.num_chunks[0]))
-    _, l, acc = jax.lax.fori_loop(first, group.num_chunks[0], visit_chunk, init)
+        first = jnp.where(sliding_window == 0, 0, jnp.clip(earliest // chunk_len, 0, num_chunks))
+    _, l, acc = jax.lax.fori_loop(first, num_chunks, visit_chunk, init)
     out = acc / jnp.maximum(l, 1e-30)  # all-masked (padding) rows stay 0
     out = out.reshape(kv_heads, num_seqs, rep, q_len, head_dim).transpose(1, 3, 0, 2, 4)
     return out.reshape(num_seqs, q_len, heads, head_dim).astype(q.dtype)
@@ -203,17 +211,34 @@ class XlaPagedAttention:
         self.layer_windows = layer_windows
         self.softcap = softcap
 
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The decode slots' and the segments' block tables and context lengths, gathered from the
+        ragged rows: each slot's and segment's first token lies in the row of its sequence's chunk
+        (or of padding), which every later token of it shares."""
+        rows, decode_end = meta.ragged, meta.num_decode * meta.decode_len
+        segment = (meta.positions.shape[0] - decode_end) // max(meta.num_segments, 1)
+        firsts = jnp.concatenate([jnp.arange(meta.num_decode, dtype=jnp.int32) * meta.decode_len,
+                                  decode_end + jnp.arange(meta.num_segments, dtype=jnp.int32) * segment])
+        row = jnp.clip(jnp.searchsorted(rows.cu_q_lens, firsts, side="right") - 1, 0, rows.kv_lens.shape[0] - 1)
+        real = firsts < rows.cu_q_lens[rows.num_rows[0]]   # past the last row: padding
+        tables = jnp.where(real[:, None], rows.block_tables[row], 0)
+        kv_lens = jnp.where(real, rows.kv_lens[row], 0)
+        split = meta.num_decode
+        return meta.replace(groups=(QueryGroup(tables[:split], kv_lens[:split]),
+                                    QueryGroup(tables[split:], kv_lens[split:])))
+
     def __call__(self, q, k, v, kv_pages, layer, meta):
         kv_pages = write_kv(kv_pages, k, v, layer, meta.slot_mapping)
-        num_decode, num_segments = meta.group_sizes()
+        num_decode, num_segments = meta.num_decode, meta.num_segments
         decode_end = num_decode * meta.decode_len
         window = jnp.asarray(self.layer_windows)[layer] if self.layer_windows else self.sliding_window
+        groups = meta.groups if meta.groups is not None else self.prepare(meta).groups   # called alone (tests)
         outs = []
-        for group, rows, start, stop in ((meta.decode, num_decode, 0, decode_end),
-                                         (meta.prefill, num_segments, decode_end, q.shape[0])):
-            if rows:
-                group_q = q[start:stop].reshape(rows, -1, *q.shape[1:])
-                group_pos = meta.positions[start:stop].reshape(rows, -1)
+        for group, num_rows, start, stop in ((groups[0], num_decode, 0, decode_end),
+                                             (groups[1], num_segments, decode_end, q.shape[0])):
+            if num_rows:
+                group_q = q[start:stop].reshape(num_rows, -1, *q.shape[1:])
+                group_pos = meta.positions[start:stop].reshape(num_rows, -1)
                 out = attend_group(group_q, group_pos, group, kv_pages, layer, self.pages_per_chunk, window,
                                    self.softcap)
                 outs.append(out.reshape(-1, *q.shape[1:]))
@@ -233,6 +258,9 @@ class PallasPagedAttention:
         self.sliding_window = sliding_window
         self.layer_windows = layer_windows
         self.softcap = softcap
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         rows = meta.ragged
@@ -277,6 +305,11 @@ class MeshAttention:
         pool = KVPages(k=pages, v=pages, k_scale=pages if scaled else None, v_scale=pages if scaled else None)
         self._call = jax.shard_map(backend, mesh=mesh, in_specs=(heads, heads, heads, pool, P(), P("data")),
                                    out_specs=(heads, pool), check_vma=False)
+        self._prepare = jax.shard_map(backend.prepare, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                      check_vma=False)
+
+    def prepare(self, meta):
+        return self._prepare(meta)
 
     def __call__(self, q, k, v, kv_pages, layer, meta):
         return self._call(q, k, v, kv_pages, layer, meta)
