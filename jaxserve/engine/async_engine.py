@@ -167,10 +167,7 @@ class RequestStream:
             waiting.append(self._queue.get_nowait())
         output = waiting[-1]
         if self._sums is None and len(waiting) > 1:   # deltas: joined into one
-            joined = _OutputSums()
-            for delta in waiting:
-                joined.add(delta)
-            output = joined.output()
+            output = _OutputSums.joined(waiting)
         self._done = output.finished
         if output.error:
             raise RequestFailedError(output.error, output.error_param)
@@ -216,6 +213,14 @@ class _OutputSums:
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = delta.prompt_logprobs
         self._latest = delta
+
+    @classmethod
+    def joined(cls, deltas: list[RequestOutput]) -> RequestOutput:
+        """Deltas in order as one."""
+        sums = cls()
+        for delta in deltas:
+            sums.add(delta)
+        return sums.output()
 
     def output(self) -> RequestOutput:
         """Everything so far: the latest delta, with each sample's sums in copies of their own."""
