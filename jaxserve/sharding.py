@@ -86,6 +86,21 @@ def mesh_from_config(text: str) -> Mesh | None:
     return None if shape == (1, 1) else make_mesh(shape)
 
 
+def place(tree, sharding: NamedSharding):
+    """`jax.device_put(tree, sharding)` for host values (numpy) that every process holds whole.
+    Over several processes each places only its own devices' shards, cut from its copy: there
+    device_put first checks that all processes hold the same value, by gathering each array from
+    every process into each, through a program compiled for its shape: every weight at load, every
+    array of every step (README, "Several hosts")."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def one(value):
+        value = np.asarray(value)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return jax.tree.map(one, tree)
+
+
 def spec_for(path: str) -> P:
     return next(spec for pattern, spec in PARTITION_RULES if re.fullmatch(pattern, path))
 

@@ -115,6 +115,36 @@ def test_padded_heads_give_the_same_attention_output():
         np.testing.assert_allclose(attention(new_cfg, new_weights), attention(cfg, weights), atol=1e-10)
 
 
+PLACE_PROGRAM = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxserve.sharding import AXES, place
+jax.config.update("jax_num_cpu_devices", 8)
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), AXES)
+rng = np.random.default_rng(0)
+tree = {"weight": rng.normal(size=(6, 8)).astype(np.float32), "packed": rng.integers(0, 255, (4, 8), np.uint8),
+        "rows": np.arange(6, dtype=np.int32), "table": rng.integers(0, 9, (4, 3), np.int32)}
+specs = {"weight": P(None, "model"), "packed": P("model", None), "rows": P("data"), "table": P("data")}
+jax.process_count = lambda: 2   # the path of several processes, on one
+for name, value in tree.items():
+    sharding = NamedSharding(mesh, specs[name])
+    placed, put = place({"x": value}, sharding)["x"], jax.device_put(value, sharding)
+    assert placed.sharding == put.sharding and placed.dtype == put.dtype, name
+    assert [(s.device, s.index) for s in placed.addressable_shards] == [
+        (s.device, s.index) for s in put.addressable_shards], name
+    for a, b in zip(placed.addressable_shards, put.addressable_shards):
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+print("placed")
+"""
+
+
+def test_place_puts_every_shard_where_device_put_does():
+    """`place` over several processes (each cutting its devices' shards from its own copy) gives
+    the arrays device_put gives: shardings, shards and dtypes, on a 2x4 mesh of host devices."""
+    result = subprocess.run([sys.executable, "-c", PLACE_PROGRAM], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split()[-1] == "placed", result.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("heads, kv_heads, hidden, meshes", [
     (8, 2, 64, "1x1,2x4"),            # data slices, KV heads replicated 2x; and speculation on 2x4

@@ -25,7 +25,7 @@ from jaxserve.models.layers import float8
 from jaxserve.models.layers.linear import WeightFormat
 from jaxserve.models.llama import abstract_model, expert_shapes, linear_shapes
 from jaxserve.quantization import AT_LOAD, check_quantization
-from jaxserve.sharding import head_layout, pad_heads, sharding_for
+from jaxserve.sharding import head_layout, pad_heads, place, sharding_for
 from jaxserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,6 @@ def _onto_mesh(config: ModelConfig, dtype, formats: dict[str, WeightFormat], val
         config, values = pad_heads(config, host, mesh.shape["model"])
     graphdef, abstract = abstract_model(config, dtype, formats, mesh)
     placed = {p: v if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding)  # orbax put it there
-              else jax.device_put(np.asarray(v), sharding_for(mesh, "/".join(p), v.shape))
+              else place(np.asarray(v), sharding_for(mesh, "/".join(p), v.shape))
               for p, v in values.items()}
     return config, graphdef, abstract, placed

@@ -43,7 +43,7 @@ from jaxserve.models.layers.attention import MeshAttention, backend_for
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.layers import float8, lora
 from jaxserve.models.llama import lora_shapes
-from jaxserve.sharding import BATCH_SPEC, pad_lora_heads, sharding_for
+from jaxserve.sharding import BATCH_SPEC, pad_lora_heads, place, sharding_for
 
 log = logging.getLogger(__name__)
 
@@ -525,10 +525,9 @@ class Runner:
     def _new_sampled(self):
         """Zeros, placed as the pool is (uncommitted without a mesh: a committed argument would
         commit the step's outputs, and the pool would no longer match the programs compiled)."""
-        sampled = jax.numpy.zeros(self._num_rows, np.int32)
         if self.model.mesh is None:
-            return sampled
-        return jax.device_put(sampled, NamedSharding(self.model.mesh, jax.sharding.PartitionSpec()))
+            return jax.numpy.zeros(self._num_rows, np.int32)
+        return place(np.zeros(self._num_rows, np.int32), NamedSharding(self.model.mesh, jax.sharding.PartitionSpec()))
 
     def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
         if self.followers is not None:
@@ -537,7 +536,7 @@ class Runner:
 
     def _place(self, batch):
         """With a mesh, the step's arrays (or its sampling's) split over its data slices."""
-        return batch if self._batch_sharding is None else jax.device_put(batch, self._batch_sharding)
+        return batch if self._batch_sharding is None else place(batch, self._batch_sharding)
 
     def _make_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
         for start in range(0, len(copies), self.max_copies):
