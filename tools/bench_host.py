@@ -25,6 +25,9 @@ collected less often, as a server's are (`--unfrozen`: each run again with Pytho
 `--logprobs N`: every request asks for its tokens' logprobs and N top ones (what a stream then
 carries grows with it: `--output-kind delta --output-tokens 448`).
 `--scheduler-only`: `schedule` and `update` alone, no model.
+`--host-core`: the engine thread on a core of its own, XLA's threads on the others, as a host
+beside an accelerator has its cores (otherwise both share every core; 256 decodes of the tiny
+model spent as much host time a step either way: README, "bench_host").
 `--server`: the requests go through `AsyncEngine` with the server's metrics, and each is read as the
 server reads a reply: a final-only one (a reply sent whole) awaits its output, a delta one (a
 stream) goes through `serving.merged` and `TextDeltas` on the event loop, which takes its share of
@@ -40,6 +43,7 @@ import collections
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -252,6 +256,21 @@ def scheduler_only(num_seqs: int, prompts: list[list[int]], steps: int = 300) ->
           f"{statistics.median(t for _, t in decodes) * 1e3:.3f} ms a step (medians of {len(decodes)} steps)")
 
 
+def give_the_host_a_core() -> str:
+    """This (the engine's) thread alone on the first core, XLA:CPU's threads on the others: they
+    start with its client, on the cores of the thread that starts it (Linux affinity is per
+    thread). Returns the split, for the report."""
+    import jax
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"--host-core needs 2 cores or more; this process may use {len(cores)}")
+    os.sched_setaffinity(0, cores[1:])
+    jax.devices()
+    os.sched_setaffinity(0, cores[:1])
+    return f"host on core {cores[0]}, XLA on {', '.join(map(str, cores[1:]))}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
@@ -275,7 +294,10 @@ def main() -> None:
     parser.add_argument("--scheduler-only", action="store_true", help="time the scheduler alone, no model")
     parser.add_argument("--server", action="store_true", help="through AsyncEngine, read as the server reads "
                                                               "replies (see above)")
+    parser.add_argument("--host-core", action="store_true",
+                        help="the engine thread on a core of its own, XLA's on the others (see above)")
     args = parser.parse_args()
+    cores = give_the_host_a_core() if args.host_core else None
 
     from jaxserve.host_memory import keep_freed_memory
 
@@ -294,6 +316,7 @@ def main() -> None:
         label += f", temperature {args.temperature}" if args.temperature else ""
         label += f", logprobs={args.logprobs}" if args.logprobs is not None else ""
         label += f", top_p {args.top_p}" if args.top_p < 1 else ""
+        label += f", {cores}" if cores else ""
         for num_seqs in args.num_seqs:
             for kind in args.output_kind:
                 serial_device = None
