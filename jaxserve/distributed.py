@@ -346,15 +346,17 @@ def _leader_event(event: dict, address: tuple[str, int], keys: Keys | None) -> i
 _HOST_FIELDS = ("process_id", "model", "distributed_key_dir")   # may differ from host to host
 
 
-def fingerprint(config: EngineConfig, params, buckets, kv_shape) -> dict[str, str]:
+def fingerprint(config: EngineConfig, params, buckets, kv_shape, values_digest: str = "") -> dict[str, str]:
     """What every process must agree on: the config (but for host-local fields), the weights'
-    shapes and dtypes, the compiled buckets and the KV pool's shape."""
+    shapes and dtypes and a sample of their values (`values_digest`: loader.sampled_digest), the
+    compiled buckets and the KV pool's shape."""
     fields = {f"config.{f.name}": repr(getattr(config, f.name)) for f in dataclasses.fields(config)
               if f.name not in _HOST_FIELDS}
     shapes = [(jax.tree_util.keystr(path), leaf.shape, str(leaf.dtype))
               for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
     weights = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
-    return {**fields, "weights": f"{len(shapes)} arrays, digest {weights}", "buckets": repr(list(buckets)),
+    return {**fields, "weights": f"{len(shapes)} arrays, digest {weights}, values {values_digest or 'not sampled'}",
+            "buckets": repr(list(buckets)),
             "kv_pages": repr(tuple(kv_shape))}
 
 

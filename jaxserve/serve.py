@@ -255,7 +255,8 @@ def _keys(config: EngineConfig) -> "distributed.Keys | None":
 
 def _fingerprint(engine) -> dict[str, str]:
     runner = engine.runner
-    return distributed.fingerprint(engine.config, runner.model.params, runner.buckets, runner.kv_pages.k.shape)
+    return distributed.fingerprint(engine.config, runner.model.params, runner.buckets, runner.kv_pages.k.shape,
+                                   runner.model.values_digest)
 
 
 def _build_engine(config: EngineConfig, leader: "distributed.Leader | None", server: ServerConfig):

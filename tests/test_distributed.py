@@ -139,6 +139,33 @@ def test_a_follower_with_another_engine_is_refused_naming_the_field():
     leader.close()
 
 
+def test_the_fingerprint_tells_apart_checkpoints_of_other_values(tiny_models, tmp_path):
+    """`sharding.place` does not compare the processes' weights, so the fingerprint holds a digest of
+    a sample of their values: the same checkpoint loaded twice gives the same one, a checkpoint
+    with one matrix scaled another."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.checkpoint.loader import load_model
+    from jaxserve.sharding import AXES
+
+    directory, _ = tiny_models("llama")
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    tensors = load_file(other / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] *= 1.5
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), AXES)
+
+    def weights(path):
+        model = load_model(str(path), mesh=mesh)
+        return distributed.fingerprint(EngineConfig(), model.params, [], (1,), model.values_digest)["weights"]
+
+    assert weights(directory) == weights(directory) != weights(other)
+    assert re.fullmatch(r"\d+ arrays, digest [0-9a-f]{16}, values [0-9a-f]{16}", weights(directory))
+
+
 def test_a_follower_whose_leader_goes_away_exits_with_1():
     address = ("127.0.0.1", free_port())
     context = zmq.Context()

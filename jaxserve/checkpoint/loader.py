@@ -7,6 +7,7 @@ A model is any of: nothing (the embedded SmolLM2), a `.gguf` file, a Hugging Fac
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class LoadedModel:
     dtype: Any
     mesh: Mesh | None = None  # where params live, split by jaxserve.sharding's rules; None: one device
     formats: dict[str, WeightFormat] = dataclasses.field(default_factory=dict)  # quantized weights
+    values_digest: str = ""   # on a mesh: a digest of a sample of every weight's values (sampled_digest)
 
     @property
     def weight_bytes(self) -> int:
@@ -159,13 +161,14 @@ def load_model(model: str | None, dtype_name: str = "auto", mesh: Mesh | None = 
         graphdef, abstract = abstract_model(config, dtype, formats, mesh)
         shapes = {p: s.shape for p, s in expected_params(abstract).items()}
         values = map_hf_weights(tensors, shapes, dtype, formats)   # host arrays
+    digest = ""
     if mesh is not None:
-        config, graphdef, abstract, values = _onto_mesh(config, dtype, formats, values, mesh)
+        config, graphdef, abstract, values, digest = _onto_mesh(config, dtype, formats, values, mesh)
     else:
         values = {p: jnp.asarray(v) for p, v in values.items()}
     params = float8.as_stored(with_values(abstract, values))   # fp8 as bytes on a CPU
     loaded = LoadedModel(config, hf_config, graphdef, params, load_tokenizer(path, gguf_file), path, dtype, mesh,
-                         formats)
+                         formats, digest)
     log.info("loaded %s: %d layers, %s, %s; %.1f MiB of weights on the device", path, config.num_layers,
              jnp.dtype(dtype).name, _describe(formats), loaded.weight_bytes / 2**20)
     return loaded
@@ -183,7 +186,8 @@ def needs_rearranging(config: ModelConfig, mesh: Mesh) -> bool:
 
 
 def _onto_mesh(config: ModelConfig, dtype, formats: dict[str, WeightFormat], values: dict, mesh: Mesh):
-    """Rearranges heads for the mesh and places every weight shard by shard."""
+    """Rearranges heads for the mesh and places every weight shard by shard. Returns the weights'
+    `sampled_digest` too."""
     if needs_rearranging(config, mesh):
         host = {p: np.asarray(v) for p, v in values.items()}
         config, values = pad_heads(config, host, mesh.shape["model"])
@@ -191,4 +195,20 @@ def _onto_mesh(config: ModelConfig, dtype, formats: dict[str, WeightFormat], val
     placed = {p: v if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding)  # orbax put it there
               else place(np.asarray(v), sharding_for(mesh, "/".join(p), v.shape))
               for p, v in values.items()}
-    return config, graphdef, abstract, placed
+    return config, graphdef, abstract, placed, sampled_digest(values)
+
+
+def sampled_digest(values: dict) -> str:
+    """A digest of at most 8 evenly spaced values along each axis of every host weight. Several
+    processes compare it (`distributed.fingerprint`): `sharding.place` does not check that they
+    loaded the same values, and this sample tells two checkpoints apart for the cost of reading
+    a few thousand values. Arrays orbax restored straight into their shards are left out."""
+    digest = hashlib.sha256()
+    for path in sorted(values):
+        value = values[path]
+        if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
+            continue
+        value = np.asarray(value)
+        sample = value[tuple(slice(None, None, max(1, -(-n // 8))) for n in value.shape)]
+        digest.update("/".join(path).encode() + np.ascontiguousarray(sample).tobytes())
+    return digest.hexdigest()[:16]
