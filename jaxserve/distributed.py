@@ -346,7 +346,7 @@ def _leader_event(event: dict, address: tuple[str, int], keys: Keys | None) -> i
 _HOST_FIELDS = ("process_id", "model", "distributed_key_dir")   # may differ from host to host
 
 
-def fingerprint(config: EngineConfig, params, buckets, kv_shape, values_digest: str = "") -> dict[str, str]:
+def fingerprint(config: EngineConfig, params, buckets, kv_shape, values_digest: str) -> dict[str, str]:
     """What every process must agree on: the config (but for host-local fields), the weights'
     shapes and dtypes and a sample of their values (`values_digest`: loader.sampled_digest), the
     compiled buckets and the KV pool's shape."""
