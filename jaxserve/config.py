@@ -357,6 +357,8 @@ class EngineConfig:
     async_scheduling: bool = True         # schedule and launch step N+1 before step N is read back
     compile_in_background: bool = False   # serve once the largest and smallest steps compile; the rest
                                           # compile meanwhile, steps padded to a compiled one until then
+    enforce_eager: bool = False           # vLLM's: no start-up compile; each step shape compiles when a
+                                          # step first needs it (wins over compile_in_background)
     speculative_config: SpeculativeConfig | None = None   # vLLM's: speculative decoding (also a dict or
                                           # its JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}')
     enable_lora: bool = False             # serve LoRA adapters (PEFT) beside the base model

@@ -67,6 +67,8 @@ HELP = {
                              "compiled (a cold start of the embedded model on 2 CPU cores: 9.1 s instead of "
                              "27-31 s); the others compile while it serves, and a step takes the smallest "
                              "compiled one it fits meanwhile",
+    "enforce_eager": "compile no step at start-up: each step shape compiles the first time a step needs it (ready "
+                     "sooner, each new shape's first step waits for its compile; wins over --compile-in-background)",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
                           "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M, \"disable_by_batch_size\": B} "
                           "(defaults 4, 4, 1, 8; no drafts in steps of more than B sequences)",

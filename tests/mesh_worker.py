@@ -74,8 +74,8 @@ def misplaced(model, kv_cache_dtype: str = "auto") -> list[str]:
 
 
 def engine_tokens(model, mesh: str) -> np.ndarray:
-    engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=96, max_num_seqs=4, max_num_batched_tokens=64,
-                                    prefill_segment=32, max_model_len=256), model=model)
+    engine = LLMEngine(EngineConfig(mesh=mesh, enforce_eager=True, num_pages=96, max_num_seqs=4,
+                                    max_num_batched_tokens=64, prefill_segment=32, max_model_len=256), model=model)
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Once upon a time"]
     ids = [engine.add_request(p, SamplingParams(temperature=t, seed=7, max_tokens=16, ignore_eos=True))
            for p in prompts for t in (0.0, 0.8)]
@@ -97,8 +97,9 @@ def speculative_tokens(model, mesh: str) -> tuple[np.ndarray, np.ndarray]:
     tokens, drafted = [], []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3},
                  {"model": str(model.path), "num_speculative_tokens": 3}):
-        engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-                                        max_model_len=128, speculative_config=spec), model=model)
+        engine = LLMEngine(EngineConfig(mesh=mesh, enforce_eager=True, num_pages=48, page_size=8, max_num_seqs=8,
+                                        max_num_batched_tokens=64, max_model_len=128, speculative_config=spec),
+                           model=model)
         ids = [engine.add_request(copy[i:] + [i], SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True,
                                                                  logit_bias={10: 6.0, 11: 6.0}))
                for i in range(4) for t in (0.0, 0.8)]
@@ -114,8 +115,9 @@ def speculative_tokens(model, mesh: str) -> tuple[np.ndarray, np.ndarray]:
 def lora_tokens(model, mesh: str, adapter_dirs: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """[9 requests, 12 tokens]: the base model and each adapter on three prompts (two greedy, one
     seeded), two adapters resident; then the LoRA slots whose sharding is not the rule table's."""
-    engine = LLMEngine(EngineConfig(mesh=mesh, num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8), model=model)
+    engine = LLMEngine(EngineConfig(mesh=mesh, enforce_eager=True, num_pages=48, page_size=8, max_num_seqs=8,
+                                    max_num_batched_tokens=64, max_model_len=128, enable_lora=True, max_loras=2,
+                                    max_lora_rank=8), model=model)
     loras = [None] + [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapter_dirs)]
     ids = [engine.add_request(list(range(5 + p, 14 + 3 * p)), SamplingParams(temperature=0.8 * (p == 2), seed=p,
                                                                               max_tokens=12, ignore_eos=True),

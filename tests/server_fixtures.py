@@ -113,8 +113,14 @@ def free_port() -> int:
 
 
 def cli_flags(config: dict) -> list[str]:
-    """`jaxserve.serve` flags for config fields: {"max_num_seqs": 4} -> ["--max-num-seqs", "4"]."""
-    return [part for name, value in config.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+    """`jaxserve.serve` flags for config fields: {"max_num_seqs": 4, "enforce_eager": True} ->
+    ["--max-num-seqs", "4", "--enforce-eager"] (False: "--no-enforce-eager")."""
+    def flag(name, value):
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            return [f"--{flag}" if value else f"--no-{flag}"]
+        return [f"--{flag}", str(value)]
+    return [part for name, value in config.items() for part in flag(name, value)]
 
 
 def wait_until_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> list[int]:

@@ -28,8 +28,8 @@ from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from conftest import write_adapter
 from server_fixtures import TINY_ENGINE, cli_flags, free_port, tiny_engine, wait_until_healthy  # noqa: F401
 
-# Few step shapes: two processes compile them all, on two cores.
-SMALL_ENGINE = {**TINY_ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+# Few step shapes, each compiled by the first step that takes it (two processes on two cores).
+SMALL_ENGINE = {**TINY_ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 32, "enforce_eager": True}
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 WORDS = {"regex": "[a-z]+( [a-z]+){0,6}"}   # a constraint: the masks go to the follower too

@@ -85,6 +85,41 @@ def test_compiling_in_the_background_serves_at_once_with_the_same_tokens(engine,
     test_varied_workload_compiles_nothing_after_warm_up(background)
 
 
+@contextlib.contextmanager
+def step_programs(lowered: list):
+    """Appends one entry to `lowered` for each step program lowered (to compile, or to find it in
+    the compile cache) within the block."""
+    def listener(event, *args, fun_name=None, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and fun_name == "jit(step)":
+            lowered.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_enforce_eager_compiles_only_the_step_shapes_its_steps_take(engine, tiny):
+    """No step compiled at start-up; each shape compiled by the first step that takes it, and the
+    tokens those of an engine that compiled every shape first."""
+    with step_programs([]) as warmed:
+        LLMEngine(EngineConfig(**CONFIG), model=tiny)
+    with step_programs([]) as at_start:
+        eager = LLMEngine(EngineConfig(**CONFIG, enforce_eager=True), model=tiny)
+    assert len(warmed) == len(eager.runner.buckets) > 2 and at_start == []
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    with step_programs([]) as by_steps:
+        for which in (eager, engine):
+            ids = [which.add_request(list(range(10, 10 + n)), params) for n in (3, 9)]
+            done = drain(which)
+            tokens[which] = [done[i].outputs[0].token_ids for i in ids]
+    assert tokens[eager] == tokens[engine]
+    assert len(by_steps) == 2   # one prefill step of both prompts, then decodes of both rows
+    assert pool_is_full(eager)
+
+
 def test_outputs_have_the_requested_lengths_and_text(engine):
     ids = [engine.add_request("Hello there, how are you", SamplingParams(temperature=0, max_tokens=n,
                                                                           ignore_eos=True)) for n in (1, 5, 12)]

@@ -109,7 +109,8 @@ def test_pallas_backend_on_an_int8_pool_gives_the_xla_logits(tiny):
         np.testing.assert_allclose(logits["pallas"][name], logits["xla"][name], atol=1e-4, rtol=0)
 
 
-CONFIG = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="int8")
+CONFIG = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="int8",
+              enforce_eager=True)
 
 
 def _run(engine, prompts, params):

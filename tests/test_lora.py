@@ -19,7 +19,7 @@ from jaxserve.sampling_params import SamplingParams
 from conftest import ALL_LORA_MODULES as ALL, write_adapter, write_tiny_model
 
 CONFIG = dict(num_pages=64, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-              enable_lora=True, max_lora_rank=8)
+              enable_lora=True, max_lora_rank=8, enforce_eager=True)
 
 
 def our_logits(model, adapter_dir, prompt, steps=4):

@@ -21,8 +21,8 @@ def anchor_prompts(count):
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    return LLMEngine(EngineConfig(max_model_len=1024, num_pages=400, max_num_seqs=16,
-                                  max_num_batched_tokens=256), model=smollm2)
+    return LLMEngine(EngineConfig(max_model_len=1024, num_pages=400, max_num_seqs=16, max_num_batched_tokens=256,
+                                  enforce_eager=True), model=smollm2)   # compiles the step shapes used alone
 
 
 def run(engine, prompts, params, stagger=0):
@@ -118,7 +118,8 @@ def test_speculation_gives_the_same_greedy_tokens(engine, smollm2, method):
     params = [SamplingParams(temperature=0, max_tokens=32)] * 3
     speculative = {"method": "ngram"} if method == "ngram" else {"model": str(default_model_path())}
     spec = LLMEngine(EngineConfig(max_model_len=1024, num_pages=400, max_num_seqs=16, max_num_batched_tokens=256,
-                                  speculative_config={**speculative, "num_speculative_tokens": 4}), model=smollm2)
+                                  speculative_config={**speculative, "num_speculative_tokens": 4},
+                                  enforce_eager=True), model=smollm2)
     assert run(spec, prompts, params) == run(engine, prompts, params)
     stats = spec.stats()
     if method == "ngram":
@@ -166,7 +167,7 @@ def test_a_trained_lora_adapter_gives_the_tokens_of_transformers_and_peft(smollm
                                        do_sample=False)[0, len(prompt):].tolist()
     assert theirs[0] != base, "the adapter learnt its answer"
     engine = LLMEngine(EngineConfig(max_model_len=256, num_pages=64, max_num_seqs=2, max_num_batched_tokens=64,
-                                    enable_lora=True, max_lora_rank=8), model=smollm2)
+                                    enable_lora=True, max_lora_rank=8, enforce_eager=True), model=smollm2)
     adapter = LoRARequest("pelican", 1, str(tmp_path / "adapter"))
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, greedy, lora_request=adapter) for p in prompts]

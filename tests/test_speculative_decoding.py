@@ -10,7 +10,8 @@ from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
-CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+              enforce_eager=True)   # each step shape compiled when first needed: the tests take few
 NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 COPY = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3 + [10, 11]   # a prompt to copy from
 PROMPTS = [COPY, [3, 4, 5], list(range(100, 140)), [7, 8, 7, 8, 7]]

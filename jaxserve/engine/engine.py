@@ -263,15 +263,22 @@ class LLMEngine:
             log.info("LoRA: %d device slots of rank %d (%.1f MiB), %d adapters kept in host memory", config.max_loras,
                      config.max_lora_rank, self.runner.lora_bytes / 2**20,
                      config.max_cpu_loras)
+        if config.enforce_eager:
+            log.info("enforce_eager: each step shape compiles when a step first needs it")
+        else:   # several processes run every step together: they compile all of them first
+            self._warm_up(progress, background=config.compile_in_background and followers is None)
+
+    def _warm_up(self, progress: Callable[[int, int], None] | None, background: bool) -> None:
         started = time.perf_counter()
-        # Several processes run every step together: they compile all of them first.
-        self.runner.warm_up(progress, background=config.compile_in_background and followers is None)
+        self.runner.warm_up(progress, background=background)
+        drafts = 0
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.runner.warm_up()
+            drafts = len(self.proposer.runner.buckets)
         compiled = len(self.runner.ready_buckets)
-        log.info("compiled %d step shapes in %.1f s%s", compiled + (len(self.proposer.runner.buckets) if draft else 0),
-                 time.perf_counter() - started, f"; {len(self.runner.buckets) - compiled} more compile in the "
-                 "background" if compiled < len(self.runner.buckets) else "")
+        log.info("compiled %d step shapes in %.1f s%s", compiled + drafts, time.perf_counter() - started,
+                 f"; {len(self.runner.buckets) - compiled} more compile in the background"
+                 if compiled < len(self.runner.buckets) else "")
 
     def _window_of_every_layer(self, draft: LoadedModel | None) -> int | None:
         """The window all layers attend within (Mistral, Phi-3), behind which pages are released;

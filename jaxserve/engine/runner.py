@@ -2,9 +2,10 @@
 
 The runner makes no policy decisions. It picks the smallest compiled shape (bucket) that holds a
 step, builds that step's arrays and calls the jitted step, whose KV pool is donated and returned.
-Every bucket is compiled at start-up (`warm_up`), so serving never compiles, except for the
-split pairs that steps sampling for constrained sequences take (`_compile_split`, in the
-background) and programs that score prompt tokens.
+Every bucket is compiled at start-up (`warm_up`; not with enforce_eager, where each compiles on
+its first step), so serving never compiles, except for the split pairs that steps sampling for
+constrained sequences take (`_compile_split`, in the background) and programs that score prompt
+tokens.
 
 Over several processes (`jaxserve.distributed`), process 0's runner sends each device call's host
 inputs to `followers` first; the other processes' runners `replay` them, so every process makes
