@@ -109,14 +109,16 @@ def test_enforce_eager_compiles_only_the_step_shapes_its_steps_take(engine, tiny
         eager = LLMEngine(EngineConfig(**CONFIG, enforce_eager=True), model=tiny)
     assert len(warmed) == len(eager.runner.buckets) > 2 and at_start == []
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    tokens = {}
+
+    def tokens(which):
+        ids = [which.add_request(list(range(10, 10 + n)), params) for n in (3, 9)]
+        done = drain(which)
+        return [done[i].outputs[0].token_ids for i in ids]
+
     with step_programs([]) as by_steps:
-        for which in (eager, engine):
-            ids = [which.add_request(list(range(10, 10 + n)), params) for n in (3, 9)]
-            done = drain(which)
-            tokens[which] = [done[i].outputs[0].token_ids for i in ids]
-    assert tokens[eager] == tokens[engine]
+        eager_tokens = tokens(eager)
     assert len(by_steps) == 2   # one prefill step of both prompts, then decodes of both rows
+    assert eager_tokens == tokens(engine)
     assert pool_is_full(eager)
 
 
