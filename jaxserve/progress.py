@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def progress_bar(description: str, unit: str = "shape") -> Callable[[int, int], None]:
+def progress_bar(description: str, unit: str = "program") -> Callable[[int, int], None]:
     from tqdm import tqdm
 
     bar = None

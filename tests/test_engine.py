@@ -87,10 +87,11 @@ def test_compiling_in_the_background_serves_at_once_with_the_same_tokens(engine,
 
 @contextlib.contextmanager
 def step_programs(lowered: list):
-    """Appends one entry to `lowered` for each step program lowered (to compile, or to find it in
-    the compile cache) within the block."""
+    """Appends the name of each step program lowered (to compile, or to find it in the compile
+    cache) within the block: jit(logits_step) (a bucket's model) or jit(sample_step)."""
     def listener(event, *args, fun_name=None, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and fun_name == "jit(step)":
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and fun_name in (
+                "jit(logits_step)", "jit(sample_step)"):
             lowered.append(fun_name)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -100,14 +101,24 @@ def step_programs(lowered: list):
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def test_buckets_with_as_many_logit_rows_share_one_sampling_program(engine, tiny):
+    """The warm-up lowers a model program per bucket and a sampling program per number of logit
+    rows (a power of two), fewer than the buckets."""
+    with step_programs([]) as warmed:
+        warmed_engine = LLMEngine(EngineConfig(**CONFIG), model=tiny)
+    buckets, layout = warmed_engine.runner.buckets, warmed_engine.runner.layout
+    sizes = {layout.num_logit_rows(b) for b in buckets}
+    assert warmed.count("jit(logits_step)") == len(buckets)
+    assert warmed.count("jit(sample_step)") == len(sizes) < len(buckets)
+    assert all(n & (n - 1) == 0 for n in sizes)
+
+
 def test_enforce_eager_compiles_only_the_step_shapes_its_steps_take(engine, tiny):
     """No step compiled at start-up; each shape compiled by the first step that takes it, and the
     tokens those of an engine that compiled every shape first."""
-    with step_programs([]) as warmed:
-        LLMEngine(EngineConfig(**CONFIG), model=tiny)
     with step_programs([]) as at_start:
         eager = LLMEngine(EngineConfig(**CONFIG, enforce_eager=True), model=tiny)
-    assert len(warmed) == len(eager.runner.buckets) > 2 and at_start == []
+    assert at_start == []
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     def tokens(which):
@@ -117,7 +128,9 @@ def test_enforce_eager_compiles_only_the_step_shapes_its_steps_take(engine, tiny
 
     with step_programs([]) as by_steps:
         eager_tokens = tokens(eager)
-    assert len(by_steps) == 2   # one prefill step of both prompts, then decodes of both rows
+    # one prefill step of both prompts, then decodes of both rows: two buckets, each with a number
+    # of logit rows of its own
+    assert by_steps == ["jit(logits_step)", "jit(sample_step)"] * 2
     assert eager_tokens == tokens(engine)
     assert pool_is_full(eager)
 
@@ -316,21 +329,20 @@ def test_step_observer_is_told_where_each_step_went(engine):
 def test_non_finite_logits_fail_only_their_request(engine, monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     alone = generate(engine, "a neighbour", greedy)[0].token_ids
-    step = engine.runner._step
+    sample_step = engine.runner._sample_step
 
-    def poisoned(params, kv_pages, sampled, lora, batch, score):   # rows sampled at temperature 0.5 get NaN logits
-        samples, prompt, kv_pages, sampled = step(params, kv_pages, sampled, lora, batch, score=score)
-        return (samples.replace(finite=samples.finite & (batch.sampling.temperature != 0.5)), prompt, kv_pages,
-                sampled)
+    def poisoned(logits, last_tokens, sampled, sampling):   # rows sampled at temperature 0.5 get NaN logits
+        samples, sampled = sample_step(logits, last_tokens, sampled, sampling)
+        return samples.replace(finite=samples.finite & (sampling.temperature != 0.5)), sampled
 
-    monkeypatch.setattr(engine.runner, "_step", poisoned)
+    monkeypatch.setattr(engine.runner, "_sample_step", poisoned)
     victim = engine.add_request("the victim", SamplingParams(temperature=0.5, seed=1, max_tokens=6, n=2))
     neighbour = engine.add_request("a neighbour", greedy)
     finished = drain(engine)
     assert "logits were not finite" in finished[victim].error
     assert finished[neighbour].error is None and finished[neighbour].outputs[0].token_ids == alone
     assert pool_is_full(engine)
-    monkeypatch.setattr(engine.runner, "_step", step)
+    monkeypatch.setattr(engine.runner, "_sample_step", sample_step)
     assert len(generate(engine, "the victim", SamplingParams(temperature=0.5, seed=1, max_tokens=6))[0].token_ids) == 6
 
 

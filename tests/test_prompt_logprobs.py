@@ -114,13 +114,13 @@ def test_only_steps_with_prompt_rows_run_the_scoring_program(engine, monkeypatch
     """Scoring is a program of its own (step.py): a plain request's steps never pick it, and a
     prompt_logprobs request's prefill steps always do."""
     runner, picked = engine.runner, []
-    step = runner._step
+    logits_step = runner._logits_step
 
     def recording(*args, score):
         picked.append(score)
-        return step(*args, score=score)
+        return logits_step(*args, score=score)
 
-    monkeypatch.setattr(runner, "_step", recording)
+    monkeypatch.setattr(runner, "_logits_step", recording)
     prompt = list(range(3, 3 + PROMPT_LEN))
     _run(engine, prompt, SamplingParams(temperature=0, max_tokens=3))
     assert picked and not any(picked)

@@ -23,17 +23,19 @@
                                the SchedulerOutput carries them (token_masks)
         Runner.launch()        picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
-                               4, ... prefill segments: ~12 programs), builds its padded arrays
+                               4, ... prefill segments: ~12 shapes), builds its padded arrays
                                (batch.py; attention's as ragged rows, which every backend reads)
-                               and calls the jitted
-                               step(params, kv_pages, sampled, batch) -> (tokens, prompt
-                               logprobs, kv_pages, sampled), kv_pages donated, without waiting:
+                               and calls the step's two jitted programs without waiting:
+                               logits_step(params, kv_pages, sampled, lora, batch) -> (logits,
+                               input tokens, prompt logprobs, kv_pages), kv_pages donated:
                                placeholders take their ids from the step before's tokens
                                (`sampled`, on the device), model forward over the paged KV
-                               pool, then sampling (the masks first, then bias, penalties,
-                               temperature, truncation), and for prompt_logprobs requests the
-                               logprob of each prompt token (prompt_logprobs.py; skipped by
-                               steps without them)
+                               pool, and for prompt_logprobs requests the logprob of each
+                               prompt token (prompt_logprobs.py; skipped by steps without
+                               them); then sample_step(logits, input tokens, sampled, sampling)
+                               -> (tokens, sampled): the masks first, then bias, penalties,
+                               temperature, truncation (one program per number of logit rows,
+                               which buckets share; over several CPU processes, one program)
         Runner.collect()       waits for step N's tokens
         Scheduler.update()     registers each request's full pages (to its chunk's end) in the prefix
                                cache, appends its token (after drafts, the samples up to the first

@@ -5,8 +5,10 @@ Packed token layout, `T = Gd * L + Gp * segment`:
             speculative drafts its last token and the drafts), padded; L is 1 without drafts
   [Gd L, T) `Gp` segments of `segment` tokens; each multi-token chunk fills whole segments,
             its last one padded
-Logit rows, `S = Gd * L + Gp`: one per decode slot's token, then one per prefill sequence that
-samples. A decode with drafts samples at each of its tokens (the target's token after each).
+Logit rows, `S` (`BatchLayout.num_logit_rows`): one per decode's token, then one per prefill
+sequence that samples, then padding; `Gd * L + Gp`, or fewer where a step holds fewer sequences,
+rounded up to a power of two, so that buckets of one size share one sampling program. A decode with
+drafts samples at each of its tokens (the target's token after each).
 Prompt rows, `T`: the packed index of each prompt token scored for prompt_logprobs and the prompt
 token it predicts, sequence after sequence (`prompt_rows` says whose), then padding (target -1).
 Padding tokens sit at position -1 and write their K/V into the reserved page 0.
@@ -58,10 +60,6 @@ class Bucket:
     def num_tokens(self, segment: int) -> int:
         return self.num_decode * self.decode_len + self.num_segments * segment
 
-    @property
-    def num_logit_rows(self) -> int:
-        return self.num_decode * self.decode_len + self.num_segments
-
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
@@ -73,6 +71,18 @@ class BatchLayout:
     table_width: int          # block table entries per row, a multiple of pages_per_chunk
     vocab_size: int
     history_width: int        # token history per sampled row (penalties): the context length
+    max_num_seqs: int = 0     # sequences a step holds at most (per slice); 0: one per decode slot and segment
+
+    def num_logit_rows(self, bucket: Bucket) -> int:
+        """A row per decode slot's token and per segment (a prompt's chunk samples after its last),
+        but no more than `max_num_seqs` decodes' worth, rounded up to a power of two: buckets with
+        as many share one sampling program (the 12 shapes of the defaults: 6). The cap: a mixed
+        bucket has more decode slots and segments than a step holds sequences, and the tiny
+        model's mixed steps at 256 sequences took 40-55 ms longer with their 272 rows padded to 512."""
+        rows = bucket.num_decode * bucket.decode_len + bucket.num_segments
+        if self.max_num_seqs:
+            rows = min(rows, self.max_num_seqs * bucket.decode_len)
+        return 1 << (rows - 1).bit_length()
 
     def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
         """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
@@ -109,7 +119,7 @@ class BatchLayout:
     def _build_slice(self, sequences, bucket: Bucket, token_masks, previous_rows: Mapping[str, int],
                      lora_slots: Mapping[str, int] | None) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
-        dl, num_tokens, num_rows = bucket.decode_len, bucket.num_tokens(seg), bucket.num_logit_rows
+        dl, num_tokens, num_rows = bucket.decode_len, bucket.num_tokens(seg), self.num_logit_rows(bucket)
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.arange(num_tokens, dtype=np.int32) % ps  # padding writes into page 0
@@ -121,10 +131,13 @@ class BatchLayout:
         token_lora_slots = np.zeros(num_tokens, np.int32)
         scored = 0   # prompt rows filled
         rows: list[ScheduledSequence | None] = [None] * num_rows
-        next_prefill_row = gd * dl
         decodes, others = [], []
         for s in sequences:
             (decodes if is_decode(s) else others).append(s)
+        next_prefill_row = len(decodes) * dl   # the rows of the decodes' tokens, then the prompts'
+        if next_prefill_row + sum(s.samples for s in others) > num_rows:
+            raise ValueError(f"a step of {len(decodes)} decodes and {len(others)} prompt chunks exceeds the "
+                             f"{num_rows} logit rows of bucket {bucket}")
         if _single_tokens(decodes):
             # The usual step: one token each. Laid out a column at a time, in the order the loop
             # below would give them rows (256 decodes: ~4 ms row by row, ~0.5 ms by columns).

@@ -2,10 +2,12 @@
 
 The runner makes no policy decisions. It picks the smallest compiled shape (bucket) that holds a
 step, builds that step's arrays and calls the jitted step, whose KV pool is donated and returned.
-Every bucket is compiled at start-up (`warm_up`; not with enforce_eager, where each compiles on
-its first step), so serving never compiles, except for the split pairs that steps sampling for
-constrained sequences take (`_compile_split`, in the background) and programs that score prompt
-tokens.
+A step runs as two programs: the model up to the sampling rows' logits (one per bucket), then
+the sampling (one per number of logit rows, which buckets share). Every bucket's are compiled at
+start-up (`warm_up`; not with enforce_eager, where each compiles on its first step), so serving
+never compiles, except for programs that score prompt tokens. Over several CPU processes a step is
+one program, and steps sampling for constrained sequences take a split pair compiled in the
+background (`_compile_split`).
 
 Over several processes (`jaxserve.distributed`), process 0's runner sends each device call's host
 inputs to `followers` first; the other processes' runners `replay` them, so every process makes
@@ -174,7 +176,7 @@ class Runner:
         pages_per_chunk = max(1, kv_chunk_tokens // page_size)
         table_width = math.ceil(math.ceil(max_model_len / page_size) / pages_per_chunk) * pages_per_chunk
         self.layout = BatchLayout(page_size, prefill_segment, pages_per_chunk, table_width,
-                                  model.config.vocab_size, max_model_len)
+                                  model.config.vocab_size, max_model_len, max_num_seqs)
         self.num_slices = kv_pool.num_data_slices(model.mesh)   # limits and sizes below are per slice
         self.max_copies = max_num_seqs * self.num_slices   # page copies per call: one per sequence a step
         self.buckets = sorted(step_buckets(max_num_seqs, max_num_batched_tokens, prefill_segment)
@@ -191,10 +193,15 @@ class Runner:
         # LoRA: slot 0 (no adapter) and `max_loras` slots for resident adapters; None without LoRA
         self.lora = self._allocate_lora(max_loras + 1, max_lora_rank) if max_loras else None
         self.lora_bytes = sum(x.nbytes for x in jax.tree.leaves(self.lora))
+        # A step as two programs, so that buckets with as many logit rows share the second: the
+        # 12 shapes of the defaults compile 18 programs, and the embedded model was ready in
+        # 19.1-19.7 s against 24.9-25.3 s with 12 whole steps (README). As one program over
+        # several processes on CPUs, whose gloo collectives mismatched with two (see `over_gloo`).
+        self._fused = over_gloo(model.mesh)
         self._step = compile_step(model.graphdef, attention, model.mesh)
-        self._split_step = compile_split_step(model.graphdef, attention, model.mesh)
-        # The buckets whose split programs are compiled (the engine thread reads the set, the
-        # compiling thread adds to it), and the compile of each bucket sent to that thread.
+        self._logits_step, self._sample_step = compile_split_step(model.graphdef, attention, model.mesh)
+        # Fused steps only: the buckets whose split programs are compiled (the engine thread reads
+        # the set, the compiling thread adds to it), and the compile of each bucket sent to that thread.
         self._split_ready: set[Bucket] = set()
         self._split_compiles: dict[Bucket, concurrent.futures.Future] = {}
         self._split_compiler: concurrent.futures.ThreadPoolExecutor | None = None
@@ -205,7 +212,7 @@ class Runner:
         self._step_arrays = StepArrays()   # the last step sent (process 0) or replayed (a follower)
         # The last step's sampled tokens stay on the device for the next step's placeholders:
         # `_sampled` holds them in its first rows, `_sampled_rows` says whose they are.
-        self._num_rows = max(b.num_logit_rows for b in self.buckets) * self.num_slices
+        self._num_rows = max(map(self.layout.num_logit_rows, self.buckets)) * self.num_slices
         self._sampled = self._new_sampled()
         self._sampled_rows: dict[str, int] = {}
         # The buckets a step may take: all (each compiled on first use, or by warm_up), or while
@@ -232,15 +239,18 @@ class Runner:
         pool = kv_pool.abstract(self.model.config, self.layout.table_width + 1, self.page_size, self.kv_dtype,
                                 self.model.mesh)
         batch, _ = self.layout.build(SchedulerOutput(()), self.buckets[-1], self.num_slices)
+        # As one program: it holds the model's temporaries, the logits and the sampling's at once,
+        # at least what either of the split pair holds.
         compiled = self._step.lower(self.model.params, pool, self._sampled, self.lora, self._place(batch),
                                     score=True).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> None:
-        """Compiles the step for every bucket. Tracing holds the GIL, so it runs on this thread;
-        each program's XLA compile goes to a pool as soon as it is traced: one thread on a CPU,
-        whose compiler already spreads one program over the cores (a cold start's 12 programs on
-        2 cores: 24.5-25.1 s one at a time, 25.0-31.0 s two at a time), else one thread per core.
+        """Compiles the step's programs for every bucket. Tracing holds the GIL, so it runs on this
+        thread; each program's XLA compile goes to a pool as soon as it is traced: one thread on a
+        CPU, whose compiler already spreads one program over the cores (a cold start's 12 programs
+        on 2 cores: 24.5-25.1 s one at a time, 25.0-31.0 s two at a time), else one thread per core.
+        `progress(done, total)` counts programs.
 
         With `background`, only the buckets no other holds (every step fits one of them) and the
         smallest (one stream) are compiled before returning; the rest compile on a thread of their
@@ -251,16 +261,17 @@ class Runner:
                 o != b and _holds(o, b) for o in self.buckets)]
         no_copies = np.zeros(self.max_copies, np.int32)
         workers = 1 if self.devices()[0].platform == "cpu" else os.cpu_count() or 1
+        sampling_shapes: set[int] = set()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             compiles = [pool.submit(self._copy_pages.lower(self.kv_pages, no_copies, no_copies).compile)]
-            compiles += [pool.submit(self._lower(bucket).compile) for bucket in first]
+            compiles += [pool.submit(program.compile) for b in first for program in self._lower(b, sampling_shapes)]
             # The others are traced here, while those compile, over the live arrays (lowered over
             # shapes alone, they were not the programs a step's call looks up): only XLA waits.
-            rest = [(b, self._lower(b)) for b in self.buckets if b not in first]
+            rest = [(b, self._lower(b, sampling_shapes)) for b in self.buckets if b not in first]
             for i, compiled in enumerate(concurrent.futures.as_completed(compiles[1:])):
                 compiled.result()
                 if progress:
-                    progress(i + 1, len(first))
+                    progress(i + 1, len(compiles) - 1)
             compiles[0].result()
         if rest:
             self._ready = list(first)
@@ -271,18 +282,34 @@ class Runner:
             atexit.register(_stop_and_join, stop, self._compiling)
             self._compiling.start()
 
-    def _lower(self, bucket: Bucket):
-        batch, _ = self.layout.build(SchedulerOutput(()), bucket, self.num_slices)
-        return self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
-                                score=False)
+    def _lower(self, bucket: Bucket, sampling_shapes: set[int]) -> list[jax.stages.Lowered]:
+        """`bucket`'s step programs, lowered over the live arrays and an empty step (`_lower_split`),
+        or the whole step in one, over several CPU processes."""
+        if not self._fused:
+            return self._lower_split(bucket, sampling_shapes)
+        return [self._step.lower(self.model.params, self.kv_pages, self._sampled, self.lora,
+                                 self._place(self._empty_step(bucket)), score=False)]
 
-    def _compile_rest(self, lowered: list[tuple[Bucket, jax.stages.Lowered]], stop: threading.Event) -> None:
+    def _lower_split(self, bucket: Bucket, sampling_shapes: set[int]) -> list[jax.stages.Lowered]:
+        """`bucket`'s logits program, and the sampling program of its number of logit rows unless
+        `sampling_shapes` has it already (it is added)."""
+        batch = self._place(self._empty_step(bucket))
+        logits = self._logits_step.lower(self.model.params, self.kv_pages, self._sampled, self.lora, batch,
+                                         score=False)
+        rows = self.layout.num_logit_rows(bucket)
+        if rows in sampling_shapes:
+            return [logits]
+        sampling_shapes.add(rows)
+        return [logits, self._sample_step.lower(*logits.out_info[:2], self._sampled, batch.sampling)]
+
+    def _compile_rest(self, lowered: list[tuple[Bucket, list[jax.stages.Lowered]]], stop: threading.Event) -> None:
         started = time.perf_counter()
-        for bucket, step in lowered:
+        for bucket, programs in lowered:
             if stop.is_set():
                 return
             try:
-                step.compile()
+                for program in programs:
+                    program.compile()
             except Exception:  # noqa: BLE001 - steps keep the larger buckets compiled already
                 log.exception("compiling the step for %s failed; steps that fit it take a larger one", bucket)
                 continue
@@ -318,7 +345,7 @@ class Runner:
         samples = prompt = logits = None
         if not masks_later:
             samples, prompt = self._run_step(batch, bucket)
-        elif bucket in self._split_ready:
+        elif not self._fused or bucket in self._split_ready:
             logits, prompt = self._run_logits(batch, bucket)
         else:
             self._compile_split(bucket)
@@ -347,17 +374,13 @@ class Runner:
                                    launch_s=step.launch_s + time.perf_counter() - built)
 
     def _compile_split(self, bucket: Bucket) -> None:
-        """Traces `bucket`'s split programs here (over the live arrays and an empty step, as
+        """For fused steps: traces `bucket`'s split programs here (over the live arrays and an empty step, as
         `warm_up` does: over several processes each places the same values) and compiles them on
         a thread of their own, one bucket after another. Followers start theirs at the same time."""
         if bucket in self._split_compiles:
             return
         self._tell_followers(CompileSplit(bucket.num_decode, bucket.num_segments, bucket.decode_len, self.model_index))
-        batch = self._place(self._empty_step(bucket))
-        forward = self._split_step[0].lower(self.model.params, self.kv_pages, self._sampled, self.lora, batch,
-                                            score=False)
-        outputs = forward.out_info
-        sampling = self._split_step[1].lower(outputs[0], outputs[1], self._sampled, batch.sampling)
+        forward, sampling = self._lower_split(bucket, set())
         if self._split_compiler is None:
             self._split_compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-split")
 
@@ -375,16 +398,21 @@ class Runner:
         self._split_compiles[bucket] = self._split_compiler.submit(compile_both)
 
     def _run_logits(self, batch: StepInput, bucket: Bucket) -> tuple[tuple, object]:
-        """The split step's first program: ((logits, input tokens), prompt logprobs), on the device."""
+        """A step up to its logits, its sampling left for `_run_sampling`."""
         self._send_step(batch, bucket, to_logits=True)
-        logits, last_tokens, prompt, self.kv_pages = self._split_step[0](
+        return self._logits(batch)
+
+    def _logits(self, batch: StepInput) -> tuple[tuple, object]:
+        """The step's first program: ((logits, input tokens), prompt logprobs), on the device."""
+        # Followers replaying the step read the same targets, so they pick the same program.
+        logits, last_tokens, prompt, self.kv_pages = self._logits_step(
             self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
             score=bool((batch.prompt_target >= 0).any()))
         return (logits, last_tokens), prompt
 
     def _run_sampling(self, logits: tuple, sampling):
-        """The split step's second program: its samples, on the device."""
-        samples, self._sampled = self._split_step[1](*logits, self._sampled, self._place(sampling))
+        """The step's second program: its samples, on the device."""
+        samples, self._sampled = self._sample_step(*logits, self._sampled, self._place(sampling))
         return samples
 
     def collect(self, step: LaunchedStep) -> StepResult:
@@ -498,8 +526,11 @@ class Runner:
                                       self.model_index, to_logits))
 
     def _run_step(self, batch: StepInput, bucket: Bucket):
+        """The whole step: (samples, prompt logprobs), on the device."""
         self._send_step(batch, bucket)
-        # Followers replaying the step read the same targets, so they pick the same program.
+        if not self._fused:
+            logits, prompt = self._logits(batch)
+            return self._run_sampling(logits, batch.sampling), prompt
         score = bool((batch.prompt_target >= 0).any())
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
                                                                    self.lora, self._place(batch), score=score)

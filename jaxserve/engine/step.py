@@ -1,5 +1,7 @@
-"""The one jitted function of a serving step: model forward, then sampling, with the pool donated
-(or the same as two, split at the logits, for a step whose masks come after its launch)."""
+"""The jitted functions of a serving step: model forward, then sampling, with the pool donated. A
+step runs as two programs split at the logits (`compile_split_step`), so that steps of one number
+of logit rows share the sampling program, and a step's masks may come after its launch; as one
+(`compile_step`) over several processes on CPUs."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from jaxserve.engine.batch import StepInput
 from jaxserve.engine.prompt_logprobs import PromptLogprobs, no_prompt_logprobs, score_prompt
 from jaxserve.engine.sampler import Samples, SamplingTensors, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
+from jaxserve.sharding import BATCH_SPEC
 
 
 def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.State, kv_pages: KVPages, lora,
@@ -75,14 +78,17 @@ def compile_step(graphdef, attention, mesh: Mesh | None = None):
 
 
 def compile_split_step(graphdef, attention, mesh: Mesh | None = None):
-    """`step` as two programs, for a step launched before its allowed-token masks are known (a
-    grammar's mask needs the token of the step before, on the host): `logits(params, kv_pages,
-    sampled, lora, batch, score)`, with the pool donated, then `sample(logits, last_tokens,
-    sampled, sampling)`, with `sampled` donated. Not in the warm-up: the runner compiles a
-    bucket's pair on a thread of its own once a step needs it (`Runner.launch`)."""
+    """`step` as two programs: `logits(params, kv_pages, sampled, lora, batch, score)`, with the
+    pool donated, then `sample(logits, last_tokens, sampled, sampling)`, with `sampled` donated.
+    Buckets with as many logit rows share the second; a step launched before its allowed-token
+    masks are known (a grammar's mask needs the token of the step before, on the host) runs the
+    first at once and the second once they are."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
+    # The logits and their tokens split by rows as the batch is: left to XLA, the shardings it
+    # chose were not those the sampling program was compiled for, which then compiled again.
+    rows = None if mesh is None else NamedSharding(mesh, BATCH_SPEC)
     logits = jax.jit(functools.partial(logits_step, graphdef, attention), donate_argnums=(1,),
-                     out_shardings=None if mesh is None else (None, None, replicated, None), static_argnames=("score",),
+                     out_shardings=None if mesh is None else (rows, rows, replicated, None), static_argnames=("score",),
                      compiler_options=compiler_options(mesh))
     sampling = jax.jit(functools.partial(sample_step, candidates=samples_from_candidates(mesh)), donate_argnums=(2,),
                        out_shardings=None if mesh is None else (replicated, replicated),
