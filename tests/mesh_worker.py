@@ -53,7 +53,7 @@ def paged_logits(model, kv_cache_dtype: str = "auto") -> tuple[np.ndarray, int]:
         for name in tables:
             rows[name].append(logits[name])
             tokens[name].append(int(np.argmax(logits[name])))
-    hlo = runner._lower(runner.buckets[0]).compile().as_text().splitlines()
+    hlo = runner._lower(runner.buckets[0], set())[0].compile().as_text().splitlines()   # the model program
     permutes = sum("collective-permute(" in line and "while/body" in line for line in hlo)
     return np.stack([np.stack(rows[name]) for name in tables]), permutes
 

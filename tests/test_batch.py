@@ -61,3 +61,20 @@ def test_a_placeholder_the_step_before_did_not_sample_is_named():
     s = ScheduledSequence("r0", (1,), 5, (1, 2), True, SamplingParams(), 0, 0, placeholder=True)
     with pytest.raises(ValueError, match="r0 has a placeholder, but the step before did not sample it"):
         layout.build(SchedulerOutput((s,)), Bucket(1, 0, 1))
+
+
+def test_logit_rows_are_a_power_of_two_and_at_most_max_num_seqs_worth():
+    """Buckets with as many logit rows share a sampling program; a mixed bucket's decode slots and
+    segments outnumber the sequences a step holds, so its rows stop at max_num_seqs decodes'."""
+    capped = BatchLayout(PAGE, SEGMENT, 2, 16, VOCAB, 64, max_num_seqs=8)
+    uncapped = BatchLayout(PAGE, SEGMENT, 2, 16, VOCAB, 64)
+    buckets = [Bucket(1, 0), Bucket(3, 0), Bucket(8, 1), Bucket(8, 4), Bucket(2, 1, decode_len=3)]
+    assert [uncapped.num_logit_rows(b) for b in buckets] == [1, 4, 16, 16, 8]
+    assert [capped.num_logit_rows(b) for b in buckets] == [1, 4, 8, 8, 8]
+    # 6 decodes, then 2 sampling prompt chunks: their rows follow the decodes', not the 8 slots
+    sequences = tuple(ScheduledSequence(f"d{i}", (1,), 5, (1, 2), True, SamplingParams(), 0, 0) for i in range(6)) \
+        + tuple(ScheduledSequence(f"p{i}", (1, 2, 3), 0, (3 + i,), True, SamplingParams(), 0, 0) for i in range(3))
+    _, rows = capped.build(SchedulerOutput(sequences[:8]), Bucket(8, 2))
+    assert [s.request_id for s in rows] == [s.request_id for s in sequences[:8]]
+    with pytest.raises(ValueError, match=r"a step of 6 decodes and 3 prompt chunks exceeds the 8 logit rows"):
+        capped.build(SchedulerOutput(sequences), Bucket(8, 3))

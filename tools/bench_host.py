@@ -18,8 +18,8 @@ streams ask for: an output at every step). With `--structured` each request also
 schema of its own (a string field named after it), and the `masks` column shows the host time
 llguidance spends filling the allowed-token masks; `--structured 8`: every 8th request only.
 Under async scheduling such a step is launched up to its logits and sampled once the grammars
-have the last token, by two programs per bucket compiled on first use: a first, untimed pass of
-the same requests compiles them.
+have the last token (the step's second program); a first, untimed pass of the same requests
+keeps first uses out of the figures.
 Each run reports the garbage collector's pauses; the start-up heap is frozen and young objects
 collected less often, as a server's are (`--unfrozen`: each run again with Python's settings).
 `--logprobs N`: every request asks for its tokens' logprobs and N top ones (what a stream then
@@ -114,11 +114,11 @@ def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: l
                             logprobs=logprobs)
     requests = [(prompts[i % len(prompts)], dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
         json=schema(i)) if structured and i % structured == 0 else None)) for i in range(num_seqs)]
-    if structured and async_scheduling:   # the split steps their buckets take compile on first use
+    if structured and async_scheduling:   # first uses stay out of the figures
         started = time.perf_counter()
         _run_offline(engine, requests)
         engine.runner.wait_compiled()
-        print(f"(a first pass of the same requests, with the split steps compiling: {time.perf_counter() - started:.2f} s)")
+        print(f"(a first pass of the same requests: {time.perf_counter() - started:.2f} s)")
     threshold = gc.get_threshold()
     if freeze:
         freeze_startup_heap()   # as a server does once started

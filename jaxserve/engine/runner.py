@@ -374,9 +374,10 @@ class Runner:
                                    launch_s=step.launch_s + time.perf_counter() - built)
 
     def _compile_split(self, bucket: Bucket) -> None:
-        """For fused steps: traces `bucket`'s split programs here (over the live arrays and an empty step, as
-        `warm_up` does: over several processes each places the same values) and compiles them on
-        a thread of their own, one bucket after another. Followers start theirs at the same time."""
+        """Where a step is one program: traces `bucket`'s split pair here (over the live arrays and
+        an empty step, as `warm_up` does: over several processes each places the same values) and
+        compiles it on a thread of its own, one bucket after another. Followers start theirs at
+        the same time."""
         if bucket in self._split_compiles:
             return
         self._tell_followers(CompileSplit(bucket.num_decode, bucket.num_segments, bucket.decode_len, self.model_index))
