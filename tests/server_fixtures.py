@@ -116,10 +116,10 @@ def cli_flags(config: dict) -> list[str]:
     """`jaxserve.serve` flags for config fields: {"max_num_seqs": 4, "enforce_eager": True} ->
     ["--max-num-seqs", "4", "--enforce-eager"] (False: "--no-enforce-eager")."""
     def flag(name, value):
-        flag = name.replace("_", "-")
+        option = name.replace("_", "-")
         if isinstance(value, bool):
-            return [f"--{flag}" if value else f"--no-{flag}"]
-        return [f"--{flag}", str(value)]
+            return [f"--{option}" if value else f"--no-{option}"]
+        return [f"--{option}", str(value)]
     return [part for name, value in config.items() for part in flag(name, value)]
 
 

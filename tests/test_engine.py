@@ -101,7 +101,7 @@ def step_programs(lowered: list):
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_buckets_with_as_many_logit_rows_share_one_sampling_program(engine, tiny):
+def test_buckets_with_as_many_logit_rows_share_one_sampling_program(tiny):
     """The warm-up lowers a model program per bucket and a sampling program per number of logit
     rows (a power of two), fewer than the buckets."""
     with step_programs([]) as warmed:

@@ -100,6 +100,12 @@ def _holds(bucket: Bucket, need: Bucket) -> bool:
             and bucket.decode_len >= need.decode_len)
 
 
+def _scores(batch: StepInput) -> bool:
+    """Whether the step scores prompt tokens, which picks its program (step.py's `score`).
+    Followers replaying the step read the same targets, so they pick the same program."""
+    return bool((batch.prompt_target >= 0).any())
+
+
 def _stop_and_join(stop: threading.Event, thread: threading.Thread) -> None:
     stop.set()
     thread.join()
@@ -195,7 +201,7 @@ class Runner:
         self.lora_bytes = sum(x.nbytes for x in jax.tree.leaves(self.lora))
         # A step as two programs, so that buckets with as many logit rows share the second: the
         # 12 shapes of the defaults compile 18 programs, and the embedded model was ready in
-        # 19.1-19.7 s against 24.9-25.3 s with 12 whole steps (README). As one program over
+        # 19.1-20.4 s against 24.3-25.3 s with 12 whole steps (README). As one program over
         # several processes on CPUs, whose gloo collectives mismatched with two (see `over_gloo`).
         self._fused = over_gloo(model.mesh)
         self._step = compile_step(model.graphdef, attention, model.mesh)
@@ -405,10 +411,8 @@ class Runner:
 
     def _logits(self, batch: StepInput) -> tuple[tuple, object]:
         """The step's first program: ((logits, input tokens), prompt logprobs), on the device."""
-        # Followers replaying the step read the same targets, so they pick the same program.
         logits, last_tokens, prompt, self.kv_pages = self._logits_step(
-            self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch),
-            score=bool((batch.prompt_target >= 0).any()))
+            self.model.params, self.kv_pages, self._sampled, self.lora, self._place(batch), score=_scores(batch))
         return (logits, last_tokens), prompt
 
     def _run_sampling(self, logits: tuple, sampling):
@@ -532,9 +536,8 @@ class Runner:
         if not self._fused:
             logits, prompt = self._logits(batch)
             return self._run_sampling(logits, batch.sampling), prompt
-        score = bool((batch.prompt_target >= 0).any())
         samples, prompt, self.kv_pages, self._sampled = self._step(self.model.params, self.kv_pages, self._sampled,
-                                                                   self.lora, self._place(batch), score=score)
+                                                                   self.lora, self._place(batch), score=_scores(batch))
         return samples, prompt
 
     def _allocate_lora(self, num_slots: int, rank: int):
