@@ -199,17 +199,22 @@ class _GCPauses:
 
 
 def report(label: str, num_seqs: int, times, wall: float, startup: float, serial_device: float | None,
-           pauses: _GCPauses) -> None:
+           pauses: _GCPauses, overlapped: bool = False) -> None:
     """`serial_device`: the seconds the host waited for the device with async scheduling off, the
-    device's busy time; with it on, the rest of the wall time is the device's idle time."""
+    device's busy time; with it on, the rest of the wall time is the device's idle time.
+    `overlapped`: async scheduling ran this one, so without `serial_device` the device's idle time
+    is unknown (the host works while the device runs the step before)."""
     by_kind = collections.defaultdict(list)
     for t in times:
         by_kind[t.kind].append(t)
     host = sum(t.host for t in times)
     device = sum(t.device for t in times)
     tokens = sum(t.num_seqs for t in times if t.kind == "decode")
-    if serial_device is None:   # serial steps: the device is idle exactly while the host works
+    if serial_device is None and not overlapped:   # serial steps: the device is idle exactly while the host works
         idle = f"device idle (waiting for the host) {host / (host + device):.1%} of step time"
+    elif serial_device is None:
+        idle = (f"host work {host / (host + device):.1%} of step time (the device's idle share needs "
+                f"the run with async scheduling off: without --no-serial)")
     else:
         idle = f"device idle ~{max(0.0, 1 - serial_device / wall):.1%} of wall time (busy as in the serial run)"
     print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s, {tokens / wall:.1f} decode "
@@ -329,7 +334,7 @@ def main() -> None:
                         report(f"{label}, {kind} outputs{', through AsyncEngine' if args.server else ''}, "
                                f"async scheduling {'on' if async_scheduling else 'off'}"
                                f"{'' if freeze else ', start-up heap not frozen'}",
-                               num_seqs, times, wall, startup, serial_device, pauses)
+                               num_seqs, times, wall, startup, serial_device, pauses, async_scheduling)
                     serial_device = sum(t.device for t in times)
 
 
