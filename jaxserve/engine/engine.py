@@ -48,7 +48,7 @@ from jaxserve.engine.structured_output import Grammars, pack_tokens
 from jaxserve.engine.scheduler import Proposer, SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
-from jaxserve.host_memory import keep_freed_memory
+from jaxserve.host_memory import collector_paused, keep_freed_memory
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sharding import mesh_from_config
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -266,7 +266,8 @@ class LLMEngine:
         if config.enforce_eager:
             log.info("enforce_eager: each step shape compiles when a step first needs it")
         else:   # several processes run every step together: they compile all of them first
-            self._warm_up(progress, background=config.compile_in_background and followers is None)
+            with collector_paused():   # tracing makes objects that live on (see host_memory)
+                self._warm_up(progress, background=config.compile_in_background and followers is None)
 
     def _warm_up(self, progress: Callable[[int, int], None] | None, background: bool) -> None:
         started = time.perf_counter()
