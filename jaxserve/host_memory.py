@@ -1,5 +1,6 @@
 """Host memory settings for a process that serves: freed memory stays mapped, and the garbage
-collector leaves the start-up heap alone and collects young objects less often.
+collector leaves the start-up heap alone and collects young objects less often; and for every
+engine, no automatic collection while it compiles its programs.
 
 XLA on CPU allocates each step's temporaries with malloc. glibc serves big blocks with fresh
 mmap()s and hands freed memory straight back to the kernel, so every step page-faults and

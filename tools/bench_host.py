@@ -10,7 +10,8 @@ where a trivial program over the same arguments takes 0.04 ms; README, "bench_ho
 
 `--tiny` writes a random Llama checkpoint (4 layers, hidden 256, SmolLM2's tokenizer and 49,152
 token vocabulary) to a temporary folder: its device step is short, as an accelerator's is, so the
-host's share shows. Each size runs with async scheduling off, then on (`--no-serial`: on only).
+host's share shows. Each size runs with async scheduling off, then on (`--no-serial`: on only,
+and the device's idle share is then unknown: the serial run gives its busy time).
 Every request has a 32-token prompt and makes `--output-tokens` tokens (EOS
 ignored, greedy); all are queued at once, so `--num-seqs` of them run together. Requests ask for
 their final output only, as `LLM.generate`'s do (`--output-kind cumulative delta` for what
