@@ -211,13 +211,13 @@ def report(label: str, num_seqs: int, times, wall: float, startup: float, serial
     host = sum(t.host for t in times)
     device = sum(t.device for t in times)
     tokens = sum(t.num_seqs for t in times if t.kind == "decode")
-    if serial_device is None and not overlapped:   # serial steps: the device is idle exactly while the host works
-        idle = f"device idle (waiting for the host) {host / (host + device):.1%} of step time"
-    elif serial_device is None:
+    if serial_device is not None:
+        idle = f"device idle ~{max(0.0, 1 - serial_device / wall):.1%} of wall time (busy as in the serial run)"
+    elif overlapped:
         idle = (f"host work {host / (host + device):.1%} of step time (the device's idle share needs "
                 f"the run with async scheduling off: without --no-serial)")
-    else:
-        idle = f"device idle ~{max(0.0, 1 - serial_device / wall):.1%} of wall time (busy as in the serial run)"
+    else:   # serial steps: the device is idle exactly while the host works
+        idle = f"device idle (waiting for the host) {host / (host + device):.1%} of step time"
     print(f"\n{label}, {num_seqs} sequences: {len(times)} steps in {wall:.2f} s, {tokens / wall:.1f} decode "
           f"tok/s (start-up {startup:.1f} s); {idle}; garbage collector: {len(pauses.seconds)} pauses, "
           f"{sum(pauses.seconds) * 1e3:.0f} ms in all, the longest {max(pauses.seconds, default=0) * 1e3:.0f} ms")
