@@ -26,6 +26,8 @@ collected less often, as a server's are (`--unfrozen`: each run again with Pytho
 `--logprobs N`: every request asks for its tokens' logprobs and N top ones (what a stream then
 carries grows with it: `--output-kind delta --output-tokens 448`).
 `--scheduler-only`: `schedule` and `update` alone, no model.
+`--max-model-len` (default 512): with `--penalized`, a penalised row's token history is this wide
+(8192 is SmolLM2's own context length, the engine's default for it).
 `--host-core`: the engine thread on a core of its own, XLA's threads on the others, as a host
 beside an accelerator has its cores (otherwise both share every core; 256 decodes of the tiny
 model spent as much host time a step either way: README, "bench_host").
@@ -56,7 +58,7 @@ from jaxserve.bench.offline import DEFAULT_WORKLOAD, read_workload
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=256,
             intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+            max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
             bos_token_id=1, eos_token_id=2, torch_dtype="float32")
 
 
@@ -97,13 +99,13 @@ def schema(index: int) -> dict:
 def run(model: str | None, loaded, num_seqs: int, output_tokens: int, prompts: list[list[int]], structured: int,
         async_scheduling: bool = True, output_kind: str = "final_only", penalized: bool = False,
         freeze: bool = True, server: bool = False, temperature: float = 0.0, top_p: float = 1.0,
-        logprobs: int | None = None):
+        logprobs: int | None = None, max_model_len: int = 512):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import LLMEngine
     from jaxserve.host_memory import freeze_startup_heap
     from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-    config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=512,
+    config = EngineConfig(model=model, max_num_seqs=num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max(512, num_seqs * 2), kv_cache_gb=1.0,
                           enable_prefix_caching=False, async_scheduling=async_scheduling)
     started = time.perf_counter()
@@ -288,6 +290,8 @@ def main() -> None:
                         help="a JSON schema for every K-th request, by default every one (see above)")
     parser.add_argument("--no-serial", action="store_true", help="skip the run with async scheduling off")
     parser.add_argument("--penalized", action="store_true", help="frequency and presence penalties on every request")
+    parser.add_argument("--max-model-len", type=int, default=512,
+                        help="the engine's (default 512); a penalised row's token history is this wide")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
     parser.add_argument("--logprobs", type=int, default=None,
                         help="every request asks for its tokens' logprobs and this many top ones")
@@ -319,6 +323,7 @@ def main() -> None:
         loaded = None
         label += f", a JSON schema for 1 request in {args.structured}" if args.structured else ""
         label += ", penalised" if args.penalized else ""
+        label += f", max_model_len {args.max_model_len}" if args.max_model_len != 512 else ""
         label += f", temperature {args.temperature}" if args.temperature else ""
         label += f", logprobs={args.logprobs}" if args.logprobs is not None else ""
         label += f", top_p {args.top_p}" if args.top_p < 1 else ""
@@ -331,7 +336,7 @@ def main() -> None:
                         times, wall, startup, loaded, pauses = run(
                             model, loaded, num_seqs, args.output_tokens, prompts, args.structured, async_scheduling,
                             kind, args.penalized, freeze, args.server, args.temperature, args.top_p,
-                            args.logprobs)
+                            args.logprobs, args.max_model_len)
                         report(f"{label}, {kind} outputs{', through AsyncEngine' if args.server else ''}, "
                                f"async scheduling {'on' if async_scheduling else 'off'}"
                                f"{'' if freeze else ', start-up heap not frozen'}",

@@ -12,6 +12,9 @@ Hugging Face transformers one request at a time in the same run) and prints a ta
 Repeated --mesh, --quantization, --kv-cache-dtype, --speculative-config and --lora values are all combined,
 each in the same run; with several, the table says whether each gave the first one's tokens.
 `--single-stream` replaces the workload by one request of 128 prompt tokens and 256 output tokens.
+With `--concurrency 1` it also prints the medians of each request's time to first token and time
+per output token after it, as `jaxserve bench serve` measures a stream's: the server's single-stream
+figures against the engine's own, in one session.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -94,13 +98,16 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
     prompts = [r["prompt_token_ids"] for r in rows]
     at_a_time = args.concurrency or len(rows)
     batches = [slice(i, i + at_a_time) for i in range(0, len(rows), at_a_time)]
-    times = []
+    times, latencies = [], []
     before = llm.engine.stats()
     for _ in range(args.repeat):
         llm.engine.scheduler.clear_cache()   # every repeat computes its prompts: none is a cache hit
         started = time.perf_counter()
-        outputs = [o for b in batches for o in llm.generate(prompts[b], params[b], use_tqdm=args.repeat == 1,
-                                                            lora_request=lora_of[b])]
+        outputs = []
+        for b in batches:
+            outputs += llm.generate(prompts[b], params[b], use_tqdm=args.repeat == 1, lora_request=lora_of[b])
+            if at_a_time == 1:
+                latencies.append(latency(outputs[-1], time.monotonic()))
         times.append(time.perf_counter() - started)
     elapsed = sorted(times)[len(times) // 2]
     load_ms = adapter_load_ms(llm.engine, loras[0]) if loras[0] is not None else None
@@ -115,8 +122,18 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
             "prompt_tokens": sum(len(p) for p in prompts), "weight_mib": weight_mib,
             **({"tokens": [o.outputs[0].token_ids for o in outputs]} if loras == [None] else {}),   # adapters
             "drafts": drafts, "adapter_load_ms": load_ms,                                        # change them
+            "latencies": latencies,   # (TTFT, TPOT) of each request, when they ran one at a time
             "acceptance_rate": accepted / proposed if proposed else None,
             "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
+def latency(output, done: float) -> tuple[float, float | None]:
+    """A request's time to first token and time per output token after it (seconds; None for a
+    single token), as `jaxserve bench serve` measures a stream's: `done` is when it returned
+    (time.monotonic, the clock of its metrics)."""
+    metrics, tokens = output.metrics, len(output.outputs[0].token_ids)
+    tpot = (done - metrics.first_token_time) / (tokens - 1) if tokens > 1 else None
+    return metrics.first_token_time - metrics.arrival_time, tpot
 
 
 def adapter_load_ms(engine, lora) -> tuple[float, float]:
@@ -176,6 +193,11 @@ def print_table(results: list[dict]) -> None:
         if r.get("adapter_load_ms"):
             print(f"{r['system']}: an adapter is read in {r['adapter_load_ms'][0]:.1f} ms and written into a device "
                   f"slot in {r['adapter_load_ms'][1]:.1f} ms")
+        if r.get("latencies"):
+            ttft = statistics.median(t for t, _ in r["latencies"])
+            tpot = statistics.median(t for _, t in r["latencies"] if t is not None)
+            print(f"{r['system']}: one request at a time ({len(r['latencies'])}): time to first token p50 "
+                  f"{ttft * 1e3:.1f} ms, time per output token p50 {tpot * 1e3:.1f} ms ({1 / tpot:.1f} tok/s)")
         if r.get("drafts"):
             print(f"{r['system']}: {r['drafts']} drafts, acceptance rate {r['acceptance_rate']:.3f}, "
                   f"mean accepted length {r['mean_accepted_length']:.2f} tokens per verifying step")
