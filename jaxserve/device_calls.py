@@ -9,7 +9,7 @@ Arrays travel as dtype, shape and raw bytes, their dtype one of a fixed few; an 
 elements are all one value (a step's unused token history, masks or biases: most of its bytes)
 travels as that value alone. A step's arrays of 64 KiB or more travel as their changes to the
 step's before them where that is fewer bytes (`StepArrays`): from one decode step to the next, a
-block table changes once in a page's worth of tokens and a penalised row's history by a token.
+block table changes once in a page's worth of tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3   # 2: steps run to their logits, sampled by a later call (StepSample);
+PROTOCOL_VERSION = 4   # 2: steps run to their logits, sampled by a later call (StepSample);
                        # 3: a step's arrays as changes to the step's before (StepArrays)
+                       # 4: a step's sampling arrays name penalty slots (penalty_slots.py)
 _DTYPES = frozenset(np.dtype(t).str for t in (np.bool_, np.int8, np.int32, np.uint32, np.int64, np.float32))
 _FILL_MIN_BYTES = 1024   # smaller arrays travel as bytes: checking them costs more than it saves
 _CHANGES_MIN_BYTES = 64 * 1024   # smaller ones are not compared with the step before's: for a 32 KiB

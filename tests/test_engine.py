@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.penalty_slots import PenaltySlots
+from jaxserve.engine.sampler import PROMPT_TOKEN
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -586,3 +588,54 @@ def test_repetition_penalty_keeps_transformers_tokens(engine, tiny_models):
                                       repetition_penalty=1.5)[0, len(prompt):].tolist()
     assert penalized == reference
     assert penalized != generate(engine, prompt, dataclasses.replace(params, repetition_penalty=1.0))[0].token_ids
+
+
+def recorded_slots(monkeypatch) -> list[tuple[str, tuple[int, bool, bool]]]:
+    """Each penalised row's (id, (slot, filled, counted)) as the runner's PenaltySlots give them."""
+    given = []
+    slot_for = PenaltySlots.slot_for
+
+    def recording(self, row):
+        given.append((row.request_id, slot_for(self, row)))
+        return given[-1][1]
+    monkeypatch.setattr(PenaltySlots, "slot_for", recording)
+    return given
+
+
+def test_penalised_sequences_send_their_history_once_and_are_counted_on_the_device(engine, monkeypatch):
+    """A penalised sequence's token counts stay on the device (penalty_slots.py): its history goes
+    out with the step that first samples for it, and never again while its slot is current; the
+    slot then holds its outputs' counts and its prompt's tokens, and its tokens are serial steps'."""
+    given = recorded_slots(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=0.5,
+                            repetition_penalty=1.3)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [9, 9, 9]]
+    outputs = [o[-1] for o in run_streams(engine, [(p, params) for p in prompts])]
+    counts = np.asarray(engine.runner._sampled.counts)
+    for prompt, output in zip(prompts, outputs):
+        rows = [found for request_id, found in given if request_id.startswith(output.request_id)]
+        assert len(rows) == 12 and rows[0][1] and not any(filled for _, filled, _ in rows[1:])
+        expected = np.zeros(counts.shape[1], np.int32)
+        np.add.at(expected, output.outputs[0].token_ids, 1)
+        expected[prompt] |= PROMPT_TOKEN
+        np.testing.assert_array_equal(counts[rows[0][0]], expected)
+    with serial(engine):
+        assert [final_tokens(o) for o in run_streams(engine, [(p, params) for p in prompts])] == \
+               [o.outputs[0].token_ids for o in outputs]
+
+
+def test_preempted_penalised_sequences_refill_their_slots_and_keep_their_tokens(engine, monkeypatch):
+    """Penalised requests preempted (their placeholder dropped, their slot counted one sample too
+    many) or pushed out of their slot fill it again from their history: each gets the tokens it
+    gets alone."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.4,
+                            presence_penalty=0.3, repetition_penalty=1.2)
+    prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(10)]
+    alone = [generate(engine, p, params)[0].token_ids for p in prompts]
+    given = recorded_slots(monkeypatch)
+    preemptions = engine.stats().num_preemptions
+    together = [final_tokens(o) for o in run_streams(engine, [(p, params) for p in prompts])]
+    assert engine.stats().num_preemptions > preemptions
+    assert together == alone
+    assert sum(filled for _, (_, filled, _) in given) > len(prompts)   # some filled again
+    assert pool_is_full(engine)

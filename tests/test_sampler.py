@@ -3,12 +3,14 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.engine.penalty_slots import PenaltySlots
 from jaxserve.engine.sampler import (PLACEHOLDER, _candidate_thresholds, _past_candidates, _penalize, _threshold,
-                                    _bisection_threshold, argmax, gumbel_noise, row_seed, row_seeds, sample,
-                                    sampling_tensors)
+                                    _bisection_threshold, argmax, count_samples, fill_slots, gumbel_noise, row_seed,
+                                    row_seeds, sample, sampling_tensors)
 from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.sampling_params import SamplingParams
 
@@ -294,3 +296,31 @@ def test_rows_with_nan_or_inf_logits_are_flagged(logprobs):
     rows = [row(SamplingParams(temperature=t, seed=1, logprobs=logprobs), seed=1) for t in (0, 0.8, 0, 1.0, 0, 0.5)]
     samples = jax.device_get(_sample_jit(logits, tensors(rows, 6, 50)))
     assert samples.finite.tolist() == [True, False, False, True, False, False]
+
+
+def test_penalties_from_slots_equal_penalties_from_histories():
+    """A step that fills its rows' penalty slots from their histories (whatever the slots held)
+    penalises as the histories do; the slots then count the sampled tokens, so that the next step
+    sends no history and penalises as the histories with those tokens would."""
+    rng = np.random.default_rng(11)
+    vocab, num_rows = 40, 4
+    params = SamplingParams(temperature=0, presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.3)
+
+    def rows_of(histories):
+        return [dataclasses.replace(row(params, token_index=len(output), prompt=prompt, output=output),
+                                    request_id=f"r{i}") for i, (prompt, output) in enumerate(histories)] + [None]
+
+    histories = [(rng.integers(0, vocab, 5).tolist(), rng.integers(0, vocab, k).tolist()) for k in (0, 3, 7)]
+    slots = PenaltySlots(6)
+    counts = jnp.full((6, vocab), 5, jnp.int32)   # what other sequences left there
+    for step in range(3):
+        rows = rows_of(histories)
+        t = sampling_tensors(rows, num_rows, vocab, HISTORY, penalty_slots=slots)
+        assert (t.history[:3, 0] != vocab).all() == (step == 0) and not (t.history[3] != vocab).any()
+        counts = jax.jit(fill_slots)(counts, t, jnp.zeros(num_rows, jnp.int32))
+        logits = rng.normal(scale=3, size=(num_rows, vocab)).astype(np.float32)
+        penalised = jax.jit(_penalize)(logits, t, None, counts)
+        np.testing.assert_allclose(penalised, jax.jit(_penalize)(logits, tensors(rows, num_rows, vocab)), rtol=1e-6)
+        tokens = np.argmax(np.asarray(penalised), -1).astype(np.int32)
+        counts = jax.jit(count_samples)(counts, t, tokens)
+        histories = [(prompt, [*output, int(token)]) for (prompt, output), token in zip(histories, tokens)]

@@ -151,12 +151,14 @@ def test_a_follower_replays_steps_split_at_their_logits_to_the_leaders_pool_and_
     requests = {"words": ("Word:", words), "plain": ("Hello", SamplingParams(temperature=0.7, seed=2, max_tokens=30)),
                 "greedy": ("Hi", SamplingParams(temperature=0, max_tokens=12, structured_outputs=Constraint(
                     choice=("alpha", "beta", "gamma")))),
-                # its history reaches the follower as the token added to the step before's
+                # its token counts on the follower's device equal the leader's (`_sampled` below)
                 "penalised": ("Once", SamplingParams(temperature=0.7, seed=3, max_tokens=20, frequency_penalty=0.8))}
     serial_config = dataclasses.replace(config, async_scheduling=False)
     monkeypatch.setattr(engine, "config", serial_config)
     stepped = run(engine, requests)
-    monkeypatch.setattr(device_calls, "_CHANGES_MIN_BYTES", 1024)   # the tiny engine's histories: 2 KiB
+    # The tiny engine's arrays are small: those of 64 bytes and more are compared with the step before's
+    monkeypatch.setattr(device_calls, "_CHANGES_MIN_BYTES", 64)
+    monkeypatch.setattr(device_calls, "_FILL_MIN_BYTES", 64)
     monkeypatch.setattr(engine, "config", config)
     monkeypatch.setattr(leader, "followers", follower)
     compiled_before = set(leader._split_compiles)
@@ -180,7 +182,7 @@ def test_a_follower_replays_steps_split_at_their_logits_to_the_leaders_pool_and_
     for mine, theirs in zip(jax.tree.leaves((leader.kv_pages, leader._sampled)),
                             jax.tree.leaves((follower.runner.kv_pages, follower.runner._sampled))):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
-    assert follower.num_changed >= 10   # the penalised history at least, as changes to the step before
+    assert follower.num_changed >= 10   # positions, slots, block tables: as changes to the step before
     for mine, theirs in zip(leader._step_arrays._before, follower.runner._step_arrays._before, strict=True):
         assert mine.tobytes() == theirs.tobytes()
     assert pool_is_full(engine)

@@ -33,9 +33,12 @@
                                pool, and for prompt_logprobs requests the logprob of each
                                prompt token (prompt_logprobs.py; skipped by steps without
                                them); then sample_step(logits, input tokens, sampled, sampling)
-                               -> (tokens, sampled): the masks first, then bias, penalties,
-                               temperature, truncation (one program per number of logit rows,
-                               which buckets share; over several CPU processes, one program)
+                               -> (tokens, sampled): the masks first, then bias, penalties (from
+                               each penalised sequence's token counts, kept on the device in
+                               `sampled` by slot and filled from its history only when its slot
+                               is new or stale: penalty_slots.py), temperature, truncation (one
+                               program per number of logit rows, which buckets share; over
+                               several CPU processes, one program)
         Runner.collect()       waits for step N's tokens
         Scheduler.update()     registers each request's full pages (to its chunk's end) in the prefix
                                cache, appends its token (after drafts, the samples up to the first

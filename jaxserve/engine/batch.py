@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from flax import struct
 
+from jaxserve.engine.penalty_slots import PenaltySlots
 from jaxserve.engine.sampler import SamplingTensors, sampling_tensors
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.models.layers.attention import AttentionMetadata, RaggedRows
@@ -96,13 +97,16 @@ class BatchLayout:
         return Bucket(max(decode), max(segments), decode_len)
 
     def build(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1,
-              previous_rows: Mapping[str, int] | None = None) -> tuple[StepInput, list[ScheduledSequence | None]]:
+              previous_rows: Mapping[str, int] | None = None, penalty_slots: PenaltySlots | None = None
+              ) -> tuple[StepInput, list[ScheduledSequence | None]]:
         """Arrays for `bucket` in each of `num_slices` slices, and the sequence sampled at each
         logit row (None: padding). `previous_rows`: the logit row of each sequence sampled by the
-        step launched before, for the placeholders."""
+        step launched before, for the placeholders. `penalty_slots`: the device's penalty counts
+        (see `sampling_tensors`), given a slot for each penalised row of the step."""
         previous_rows = previous_rows or {}
         if num_slices == 1:
-            return self._build_slice(output.sequences, bucket, output.token_masks, previous_rows, output.lora_slots)
+            return self._build_slice(output.sequences, bucket, output.token_masks, previous_rows, output.lora_slots,
+                                     penalty_slots)
         by_slice = [[] for _ in range(num_slices)]
         for s in output.sequences:
             by_slice[s.data_slice].append(s)
@@ -110,14 +114,15 @@ class BatchLayout:
         inputs, rows = [], []
         for i, sequences in enumerate(by_slice):
             step, slice_rows = self._build_slice(sequences, bucket, output.token_masks, previous_rows,
-                                                 output.lora_slots)
+                                                 output.lora_slots, penalty_slots)
             inputs.append(step.replace(logits_index=step.logits_index + i * slice_tokens,
                                        prompt_index=step.prompt_index + i * slice_tokens))
             rows += slice_rows
         return jax.tree.map(lambda *parts: np.concatenate(parts), *inputs), rows
 
     def _build_slice(self, sequences, bucket: Bucket, token_masks, previous_rows: Mapping[str, int],
-                     lora_slots: Mapping[str, int] | None) -> tuple[StepInput, list[ScheduledSequence | None]]:
+                     lora_slots: Mapping[str, int] | None, penalty_slots: PenaltySlots | None
+                     ) -> tuple[StepInput, list[ScheduledSequence | None]]:
         gd, gp, seg, ps = bucket.num_decode, bucket.num_segments, self.segment, self.page_size
         dl, num_tokens, num_rows = bucket.decode_len, bucket.num_tokens(seg), self.num_logit_rows(bucket)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -194,7 +199,7 @@ class BatchLayout:
             ragged.add(*chunk)
         attention = AttentionMetadata(positions=positions, slot_mapping=slots, ragged=ragged.done(), num_decode=gd,
                                       num_segments=gp, decode_len=dl)
-        sampling = sampling_tensors(rows, num_rows, self.vocab_size, self.history_width, token_masks)
+        sampling = sampling_tensors(rows, num_rows, self.vocab_size, self.history_width, token_masks, penalty_slots)
         return StepInput(token_ids, attention, logits_index, sampling, prompt_index, prompt_target,
                          placeholder_rows, token_lora_slots), rows
 

@@ -40,7 +40,8 @@ from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.prompt_logprobs import PromptLogprobs
 from jaxserve.engine.rejection_sampler import accepted_length
-from jaxserve.engine.sampler import allowed_rows
+from jaxserve.engine.penalty_slots import PenaltySlots
+from jaxserve.engine.sampler import Sampled, allowed_rows
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_split_step, compile_step, over_gloo
 from jaxserve.models.layers.attention import MeshAttention, backend_for
 from jaxserve.sampling_params import SamplingParams
@@ -217,10 +218,13 @@ class Runner:
         self._templates: dict[Bucket, tuple] = {}   # bucket -> (treedef, leaves) of an empty step, for replays
         self._step_arrays = StepArrays()   # the last step sent (process 0) or replayed (a follower)
         # The last step's sampled tokens stay on the device for the next step's placeholders:
-        # `_sampled` holds them in its first rows, `_sampled_rows` says whose they are.
+        # `_sampled.tokens` holds them in its first rows, `_sampled_rows` says whose they are.
+        # Penalised sequences' token counts stay there too, a slot each (`_penalty_slots`): as
+        # many slots as a step has sampling rows at most.
         self._num_rows = max(map(self.layout.num_logit_rows, self.buckets)) * self.num_slices
         self._sampled = self._new_sampled()
         self._sampled_rows: dict[str, int] = {}
+        self._penalty_slots = PenaltySlots(self._num_rows)
         # The buckets a step may take: all (each compiled on first use, or by warm_up), or while
         # the rest compile in the background, those compiled so far.
         self._ready: list[Bucket] | None = None
@@ -346,7 +350,7 @@ class Runner:
         started = time.perf_counter()
         self._make_copies(output.page_copies)
         bucket = self.bucket_for(output)
-        batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows)
+        batch, rows = self.layout.build(output, bucket, self.num_slices, self._sampled_rows, self._penalty_slots)
         built = time.perf_counter()
         samples = prompt = logits = None
         if not masks_later:
@@ -558,12 +562,15 @@ class Runner:
             self._tell_followers(LoadLora(slot, tuple(Array.of(x) for pair in arrays.values() for x in pair)))
         self.lora = lora.load_slot(self.lora, slot, arrays)
 
-    def _new_sampled(self):
+    def _new_sampled(self) -> Sampled:
         """Zeros, placed as the pool is (uncommitted without a mesh: a committed argument would
-        commit the step's outputs, and the pool would no longer match the programs compiled)."""
+        commit the step's outputs, and the pool would no longer match the programs compiled),
+        replicated on a mesh."""
+        sampled = Sampled(np.zeros(self._num_rows, np.int32),
+                          np.zeros((self._num_rows, self.layout.vocab_size), np.int32))
         if self.model.mesh is None:
-            return jax.numpy.zeros(self._num_rows, np.int32)
-        return place(np.zeros(self._num_rows, np.int32), NamedSharding(self.model.mesh, jax.sharding.PartitionSpec()))
+            return jax.tree.map(jax.numpy.asarray, sampled)
+        return place(sampled, NamedSharding(self.model.mesh, jax.sharding.PartitionSpec()))
 
     def _copy(self, source: np.ndarray, destination: np.ndarray) -> None:
         if self.followers is not None:
@@ -611,9 +618,11 @@ class Runner:
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages))
 
     def reset_pool(self) -> None:
-        """A new, empty pool (and no placeholders to read) after a failed step lost the old one."""
+        """A new, empty pool (and no placeholders to read, no penalty counts) after a failed step
+        lost the old one."""
         self._tell_followers(ResetPool(self.model_index))
         self._sampled, self._sampled_rows = self._new_sampled(), {}
+        self._penalty_slots = PenaltySlots(self._num_rows)
         k = self.kv_pages.k
         self.kv_pages = kv_pool.allocate(self.model.config, k.shape[2] // self.num_slices, k.shape[3],
                                          self.kv_dtype, self.model.mesh)

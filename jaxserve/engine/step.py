@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine.batch import StepInput
 from jaxserve.engine.prompt_logprobs import PromptLogprobs, no_prompt_logprobs, score_prompt
-from jaxserve.engine.sampler import Samples, SamplingTensors, sample
+from jaxserve.engine.sampler import Sampled, Samples, SamplingTensors, count_samples, fill_slots, sample
 from jaxserve.models.layers.attention import AttentionBackend, KVPages
 from jaxserve.sharding import BATCH_SPEC
 
@@ -27,12 +27,13 @@ def forward(graphdef: nnx.GraphDef, attention: AttentionBackend, params: nnx.Sta
     return model(batch.token_ids, kv_pages, batch.attention, batch.logits_index, attention, lora, batch.lora_slots)
 
 
-def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch: StepInput,
-         score: bool, candidates: bool = True) -> tuple[Samples, PromptLogprobs, KVPages, jax.Array]:
+def step(graphdef, attention, params, kv_pages, sampled: Sampled, lora, batch: StepInput,
+         score: bool, candidates: bool = True) -> tuple[Samples, PromptLogprobs, KVPages, Sampled]:
     """(next tokens [S] and their logprobs, the prompt rows' logprobs, kv_pages, sampled).
 
-    `sampled` [R] int32 holds the tokens of the step before in its first rows; placeholders read
-    their ids from it, so the host never waits for them, and it comes back with this step's.
+    `sampled.tokens` [R] int32 holds the tokens of the step before in its first rows; placeholders
+    read their ids from it, so the host never waits for them, and it comes back with this step's
+    (and the penalty slots' counts with them).
     `lora`: the LoRA slots (models/layers/lora.py), None without adapters. `score` (static): the
     batch has prompt rows to score (prompt_logprobs); without it their logprobs are zeros. The
     scoring is a program of its own, not a `lax.cond` branch: few steps need it, and in every
@@ -44,13 +45,13 @@ def step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch:
     return samples, prompt, kv_pages, sampled
 
 
-def logits_step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora, batch: StepInput,
+def logits_step(graphdef, attention, params, kv_pages, sampled: Sampled, lora, batch: StepInput,
                 score: bool) -> tuple[jax.Array, jax.Array, PromptLogprobs, KVPages]:
     """`step` up to its logits: (the sampling rows' logits [S, vocab], their input tokens [S], the
     prompt rows' logprobs, kv_pages). `sample_step` finishes it."""
     model = nnx.merge(graphdef, params)
     rows = batch.placeholder_rows
-    token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], batch.token_ids)
+    token_ids = jnp.where(rows >= 0, sampled.tokens[jnp.maximum(rows, 0)], batch.token_ids)
     x, kv_pages = model.hidden_states(token_ids, kv_pages, batch.attention, attention, lora, batch.lora_slots)
     if score:
         prompt = score_prompt(lambda rows: model.logits(x, rows), batch.prompt_index, batch.prompt_target)
@@ -59,11 +60,14 @@ def logits_step(graphdef, attention, params, kv_pages, sampled: jax.Array, lora,
     return model.logits(x, batch.logits_index), token_ids[batch.logits_index], prompt, kv_pages
 
 
-def sample_step(logits: jax.Array, last_tokens: jax.Array, sampled: jax.Array, sampling: SamplingTensors,
-                candidates: bool = True) -> tuple[Samples, jax.Array]:
-    """The rest of `step`: (the samples, sampled with their tokens in its first rows)."""
-    samples = sample(logits, sampling, last_tokens, candidates)
-    return samples, sampled.at[:samples.tokens.shape[0]].set(samples.tokens)
+def sample_step(logits: jax.Array, last_tokens: jax.Array, sampled: Sampled, sampling: SamplingTensors,
+                candidates: bool = True) -> tuple[Samples, Sampled]:
+    """The rest of `step`: (the samples, sampled with their tokens in its first rows and counted
+    in the penalty slots)."""
+    counts = fill_slots(sampled.counts, sampling, last_tokens, skip_empty=candidates)
+    samples = sample(logits, sampling, last_tokens, candidates, counts)
+    return samples, Sampled(sampled.tokens.at[:samples.tokens.shape[0]].set(samples.tokens),
+                            count_samples(counts, sampling, samples.tokens))
 
 
 def compile_step(graphdef, attention, mesh: Mesh | None = None):
