@@ -1,4 +1,4 @@
-"""Which slot of the device's penalty counts holds each penalised sequence's (host side).
+"""Which slot of the device's penalty counts holds each penalised sequence's counts (host side).
 
 Penalties read how often each token occurs among a sequence's outputs and whether its prompt holds
 it. The device keeps these counts by slot (`sampler.Sampled.counts`), so a step sends no token
@@ -21,6 +21,8 @@ from collections import OrderedDict
 
 
 class PenaltySlots:
+    """The slots of one runner's `Sampled.counts`, given to the penalised rows of each step it builds."""
+
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         # key -> [slot, outputs counted there], least recently used first; a key is a sequence's id,
