@@ -613,7 +613,7 @@ def test_penalised_sequences_send_their_history_once_and_are_counted_on_the_devi
     outputs = [o[-1] for o in run_streams(engine, [(p, params) for p in prompts])]
     counts = np.asarray(engine.runner._sampled.counts)
     for prompt, output in zip(prompts, outputs):
-        rows = [found for request_id, found in given if request_id.startswith(output.request_id)]
+        rows = [found for sample_id, found in given if sample_id == f"{output.request_id}/0"]
         assert len(rows) == 12 and rows[0][1] and not any(filled for _, filled, _ in rows[1:])
         expected = np.zeros(counts.shape[1], np.int32)
         np.add.at(expected, output.outputs[0].token_ids, 1)
