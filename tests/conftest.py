@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load_model
+from jaxserve.engine.penalty_slots import PenaltySlots
 from jaxserve.tokenizer import load_tokenizer
 
 # The workloads ship in the shared folder beside the checkout (as CI lays it out too); a checkout
@@ -141,3 +142,15 @@ def write_adapter(base_dir, out_dir, targets=ALL_LORA_MODULES, r=4, alpha=8, see
                 param.mul_(4.0)
     model.save_pretrained(out_dir)
     return model
+
+
+def recorded_slots(monkeypatch) -> list[tuple[str, tuple[int, bool, bool]]]:
+    """Each penalised row's (id, (slot, filled, counted)) as the runners' PenaltySlots give them."""
+    given = []
+    slot_for = PenaltySlots.slot_for
+
+    def recording(self, row):
+        given.append((row.request_id, slot_for(self, row)))
+        return given[-1][1]
+    monkeypatch.setattr(PenaltySlots, "slot_for", recording)
+    return given

@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.engine.penalty_slots import PenaltySlots
 from jaxserve.engine.sampler import PROMPT_TOKEN
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+from conftest import recorded_slots
 
 CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
 
@@ -588,18 +589,6 @@ def test_repetition_penalty_keeps_transformers_tokens(engine, tiny_models):
                                       repetition_penalty=1.5)[0, len(prompt):].tolist()
     assert penalized == reference
     assert penalized != generate(engine, prompt, dataclasses.replace(params, repetition_penalty=1.0))[0].token_ids
-
-
-def recorded_slots(monkeypatch) -> list[tuple[str, tuple[int, bool, bool]]]:
-    """Each penalised row's (id, (slot, filled, counted)) as the runner's PenaltySlots give them."""
-    given = []
-    slot_for = PenaltySlots.slot_for
-
-    def recording(self, row):
-        given.append((row.request_id, slot_for(self, row)))
-        return given[-1][1]
-    monkeypatch.setattr(PenaltySlots, "slot_for", recording)
-    return given
 
 
 def test_penalised_sequences_send_their_history_once_and_are_counted_on_the_device(engine, monkeypatch):

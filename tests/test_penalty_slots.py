@@ -54,3 +54,15 @@ def test_a_step_as_large_as_the_slots_gives_each_row_its_own():
         rows = [row(f"s{step}-{i}", 0) for i in range(6)] + [row(f"s{step - 1}-{i}", 1) for i in range(2)]
         taken = [slots.slot_for(r)[0] for r in rows]
         assert sorted(taken) == list(range(8))
+
+
+def test_a_released_slot_is_filled_anew_and_taken_before_any_owners():
+    """A draft model's proposer releases a sequence's slot before each proposal: the slot may have
+    counted a draft the target rejected, as many outputs as the sequence has but not the same."""
+    slots = PenaltySlots(2)
+    a, b = slots.slot_for(row("a", 0))[0], slots.slot_for(row("b", 0))[0]
+    slots.release("a")
+    slots.release("z")                                  # no slot: nothing to free
+    assert slots.slot_for(row("c", 0)) == (a, True, True)   # the free slot, b kept
+    assert slots.slot_for(row("b", 1)) == (b, False, True)
+    assert slots.slot_for(row("a", 1)) == (a, True, True)   # a's slot went to c: taken back, the oldest

@@ -8,7 +8,11 @@ import pytest
 from jaxserve.checkpoint.loader import load_model
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.request import Request
+from jaxserve.engine.sampler import PROMPT_TOKEN
 from jaxserve.sampling_params import SamplingParams
+
+from conftest import recorded_slots
 
 CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
               enforce_eager=True)   # each step shape compiled when first needed: the tests take few
@@ -234,7 +238,11 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_dra
     bias = {10: 6.0, 11: 6.0, 12: 6.0}
     requests = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in PROMPTS] + [
         (COPY, SamplingParams(temperature=1.0, seed=9, top_p=0.9, max_tokens=30, ignore_eos=True, logit_bias=bias)),
-        (PROMPTS[2], SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True, n=2))]
+        (PROMPTS[2], SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True, n=2)),
+        # penalised: each draft counts the drafts before it, as the target's row after them does
+        (COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
+                              frequency_penalty=0.4)),
+        (PROMPTS[3], SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, presence_penalty=0.8))]
     before = drafted(self_drafting)
     expected, _ = run(plain, requests)
     got, streamed = run(self_drafting, requests)
@@ -242,6 +250,33 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_dra
     proposed, accepted = np.subtract(drafted(self_drafting), before)
     assert proposed > 0 and accepted == proposed   # acceptance rate 1.0, sampled requests too
     assert max(len(s) for s in streamed) < 30 / 2  # 1 + 3 tokens a step, less at the start and the end
+
+
+def test_each_proposal_fills_the_drafts_penalty_slot_anew(self_drafting, monkeypatch):
+    """The draft runner's penalty slot counts its proposals, which the target may reject. After one
+    whose last draft was rejected it has counted as many outputs as the request then has, but not
+    the same ones: the next proposal fills it anew from the request's history, and adds its drafts."""
+    given = recorded_slots(monkeypatch)
+    proposer, allocator = self_drafting.proposer, self_drafting.allocators[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.5)
+    request = Request("proposed", list(COPY), params, seed=0, max_total_tokens=128)
+    request.output_token_ids += [20, 21]
+
+    def propose() -> tuple[int, ...]:
+        assert allocator.allocate(request.request_id, request.num_tokens + 3) is not None
+        return proposer.propose([request], [3], [allocator.block_table(request.request_id)], 0)[0]
+    try:
+        first = propose()
+        request.output_token_ids += [*first[:2], first[2] ^ 1]   # the target kept two drafts, not the third
+        second = propose()
+    finally:
+        allocator.free(request.request_id)
+    assert [filled for _, (_, filled, _) in given] == [True, False, False] * 2
+    expected = np.zeros(proposer.runner.model.config.vocab_size, np.int32)
+    np.add.at(expected, request.output_token_ids + list(second), 1)
+    expected[COPY] |= PROMPT_TOKEN
+    np.testing.assert_array_equal(np.asarray(proposer.runner._sampled.counts)[given[-1][1][0]], expected)
 
 
 def test_a_random_draft_is_mostly_rejected_and_changes_no_token(tiny, tiny_models, plain):
@@ -261,7 +296,8 @@ def test_the_draft_recomputes_what_preemption_and_rejections_took(tiny, tiny_mod
     would no longer all be accepted) and its pages are the target's, all back at the end."""
     engine = LLMEngine(EngineConfig(**{**CONFIG, "num_pages": 24}, speculative_config={
         "model": str(tiny_models("llama")[0]), "num_speculative_tokens": 3}), model=tiny)
-    requests = [(COPY[i:] + [i], SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True)) for i in range(6)]
+    requests = [(COPY[i:] + [i], SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True,
+                                                frequency_penalty=0.5 * (i % 2))) for i in range(6)]
     expected, _ = run(plain, requests)
     got, _ = run(engine, requests)
     assert samples(got) == samples(expected)

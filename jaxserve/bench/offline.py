@@ -8,6 +8,7 @@ Hugging Face transformers one request at a time in the same run) and prints a ta
     jaxserve bench offline --workload ../shared/workloads/copy-edit.jsonl --eos --concurrency 1 \
         --speculative-config none --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     jaxserve bench offline --workload ... --lora off --lora 0 --lora 4   # LoRA's cost: off, on, 4 adapters
+    jaxserve bench offline --workload ... --repetition-penalty 1.2 --speculative-config ...   # every request penalised
 
 Repeated --mesh, --quantization, --kv-cache-dtype, --speculative-config and --lora values are all combined,
 each in the same run; with several, the table says whether each gave the first one's tokens.
@@ -94,7 +95,8 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
                                 Path(scratch.name))
     lora_of = [loras[i % len(loras)] for i in range(len(rows))]
     weight_mib = llm.engine.model.weight_bytes / 2**20
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=not args.eos) for r in rows]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=not args.eos,
+                             repetition_penalty=args.repetition_penalty) for r in rows]
     prompts = [r["prompt_token_ids"] for r in rows]
     at_a_time = args.concurrency or len(rows)
     batches = [slice(i, i + at_a_time) for i in range(0, len(rows), at_a_time)]
@@ -170,7 +172,7 @@ def bench_hf(rows, args) -> dict:
         for r in rows:
             ids = torch.tensor([r["prompt_token_ids"]])
             out = model.generate(ids, max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"],
-                                 do_sample=False)
+                                 do_sample=False, repetition_penalty=args.repetition_penalty)
             generated += out.shape[1] - ids.shape[1]
     elapsed = time.perf_counter() - started
     return {"system": "transformers", "startup_s": startup, "elapsed_s": elapsed, "output_tokens": generated,
@@ -216,6 +218,8 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
                         help="repeat to compare: none, or vLLM's JSON, e.g. '{\"method\": \"ngram\"}'")
     parser.add_argument("--eos", action="store_true", help="end requests at EOS (default: ignored, so every "
                                                             "system makes the workload's max_tokens)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="every request's (default 1.0: none), as vLLM's SamplingParams take it")
     parser.add_argument("--lora", action="append", default=None,
                         help="off (default), 0 (--enable-lora, requests on the base model) or N (N random adapters "
                              "of --max-lora-rank on every projection, round-robin over the requests, N slots)")

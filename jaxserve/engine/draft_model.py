@@ -19,9 +19,11 @@ the same K/V that any other request with that prefix wrote there.
      calls are launched back to back, then read back together.
 Draft i is sampled with the request's seed for its output index and its sampling parameters, so
 the draft shares its Gumbel noise with the target's sample at that index: where q is close to p
-they agree, and with q = p always (see rejection_sampler). Penalties are left out of the draft's
-sampling (their token history would have to come back from the device between calls) and so are
-logprobs: a proposal that differs is only rejected, never sent.
+they agree, and with q = p always (see rejection_sampler). Penalties too: call 1 sends a penalised
+request's history and fills the draft runner's penalty slot anew from it (the slot's counts held
+the last proposal's drafts, which the target may have rejected), and each call adds its draft there
+on the device, so draft i is penalised for the drafts before it, as the target's row after them
+is (batch.draft_row). Logprobs are left out: a proposal that differs is only rejected, never sent.
 """
 
 from __future__ import annotations
@@ -55,8 +57,7 @@ def check_draft(draft, target, max_model_len: int) -> None:
 
 def draft_params(params: SamplingParams) -> SamplingParams:
     """The request's sampling, without what a proposal does not need (see the module docstring)."""
-    return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                               logprobs=None, prompt_logprobs=None, n=1, best_of=None)
+    return dataclasses.replace(params, logprobs=None, prompt_logprobs=None, n=1, best_of=None)
 
 
 class DraftModelProposer:
@@ -85,6 +86,7 @@ class DraftModelProposer:
             # positions past the last kept token hold rejected drafts
             request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_tokens - 1)
         self._catch_up(requests, tables, data_slice)
+        self.runner.release_penalty_slots(r.request_id for r in requests if r.params.penalizes)
         launched = []
         for i in range(max(rooms)):
             sequences = tuple(self._sequence(r, table, data_slice, i)
@@ -116,9 +118,13 @@ class DraftModelProposer:
     @staticmethod
     def _sequence(request: Request, table: tuple[int, ...], data_slice: int, i: int) -> ScheduledSequence:
         """Call i: the request's last token (i = 0) or draft i, a placeholder, sampling draft i + 1
-        with the seed of the target's sample at that place."""
+        with the seed of the target's sample at that place. A penalised request's call 0 brings its
+        history, to fill its released penalty slot; the calls after find the slot current."""
         position = request.num_tokens - 1 + i
         token_ids = (request.token_slice(position, position + 1)[0],) if i == 0 else (0,)
-        return ScheduledSequence(request.request_id, token_ids, position, table, True, draft_params(request.params),
-                                 request.seed, len(request.output_token_ids) + i, data_slice=data_slice,
-                                 placeholder=i > 0)
+        sequence = ScheduledSequence(request.request_id, token_ids, position, table, True,
+                                     draft_params(request.params), request.seed, len(request.output_token_ids) + i,
+                                     data_slice=data_slice, placeholder=i > 0)
+        if i == 0 and request.params.penalizes:
+            sequence.history, sequence.num_prompt_tokens = request.known_token_array(), len(request.prompt_token_ids)
+        return sequence

@@ -9,7 +9,9 @@ the outputs the sequence has so far (`ScheduledSequence.num_output_tokens`); oth
 anew from the history: a preempted sequence's dropped placeholder, a slot taken by another sequence.
 A sequence with drafts samples at several rows, each as if some drafts were its outputs, and only
 the host learns which are kept: each such row takes a slot of its own for the step, filled from its
-history, and counts nothing.
+history, and counts nothing. A draft model's runner counts its own proposals, which the target may
+reject: its proposer releases a sequence's slot before each proposal (`release`), so the first draft
+is sampled from counts filled anew and each one after from those plus the drafts before it.
 
 Slots are taken least recently used first. A step has at most as many sampling rows as there are
 slots (`Runner`), so a slot a step uses is never taken by another row of the same step.
@@ -42,6 +44,12 @@ class PenaltySlots:
             owner[1] = n + 1
             return owner[0], False, True
         return self._take(row.request_id, n + 1), True, True
+
+    def release(self, request_id: str) -> None:
+        """Frees `request_id`'s slot, if it has one: its counts are no longer its outputs'."""
+        owner = self._owners.pop(request_id, None)
+        if owner is not None:
+            self._free.append(owner[0])
 
     def _take(self, key, counted: int) -> int:
         """A slot for `key` (its own if it has one) that will have counted `counted` outputs."""

@@ -24,7 +24,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import jax
@@ -612,6 +612,12 @@ class Runner:
             batch = batch.replace(logits_index=np.arange(first, first + len(part), dtype=np.int32))
             logits, self.kv_pages = self._forward(self.model.params, self.kv_pages, self.lora, self._place(batch))
             yield np.asarray(logits)
+
+    def release_penalty_slots(self, request_ids: Iterable[str]) -> None:
+        """The next penalised rows of these sequences fill their slots anew from their histories
+        (a draft model's slots have counted proposals that the target may have rejected)."""
+        for request_id in request_ids:
+            self._penalty_slots.release(request_id)
 
     def pool_is_lost(self) -> bool:
         """True when a failed step consumed the donated pool."""
