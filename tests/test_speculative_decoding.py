@@ -10,7 +10,7 @@ from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import PROMPT_TOKEN
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 from conftest import recorded_slots
 
@@ -19,6 +19,7 @@ CONFIG = dict(num_pages=48, page_size=8, max_num_seqs=8, max_num_batched_tokens=
 NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 COPY = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3 + [10, 11]   # a prompt to copy from
 PROMPTS = [COPY, [3, 4, 5], list(range(100, 140)), [7, 8, 7, 8, 7]]
+FOX = "the quick brown fox jumps over the lazy dog"   # a choice to write under structured outputs
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,28 @@ def test_logprobs_of_accepted_tokens_equal_those_without_speculation(plain, spec
     for a, b in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs, strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_constrained_samples_speculate_within_their_grammar(plain, spec):
+    """Proposals are cut to what a sample's grammar allows, and each draft row is sampled under the
+    mask after the drafts before it: the engine's tokens without speculation, drafts kept. A grammar
+    complete at an accepted draft (EOS, copied from the prompt) ends the sample there, and the token
+    the run has after it is dropped, as a step without drafts would never have sampled it."""
+    ids = plain.tokenizer.encode(FOX, add_special_tokens=False)
+    eos = plain.eos_token_ids[0]
+    choice = StructuredOutputsParams(choice=[FOX])
+    bias = {t: 8.0 for t in ids}   # the prompt's way of writing the text, so that its n-grams recur
+    requests = [(ids + [eos], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias=bias,
+                                             structured_outputs=choice)),
+                (ids + [eos], SamplingParams(temperature=0.8, seed=1, max_tokens=40, logit_bias=bias,
+                                             structured_outputs=choice))]
+    before = drafted(spec)
+    expected, _ = run(plain, requests)
+    got, streamed = run(spec, requests)
+    assert samples(got) == samples(expected)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in got] == [(ids, FOX)] * 2
+    proposed, accepted = np.subtract(drafted(spec), before)
+    assert accepted > len(ids) and max(len(s) for s in streamed) < len(ids)   # several tokens a step
 
 
 def test_stops_inside_an_accepted_run_send_nothing_past_them(plain, spec):
@@ -236,13 +259,17 @@ def self_drafting(tiny, tiny_models):
 
 def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_drafting):
     bias = {10: 6.0, 11: 6.0, 12: 6.0}
+    ids = plain.tokenizer.encode(FOX, add_special_tokens=False)
     requests = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in PROMPTS] + [
         (COPY, SamplingParams(temperature=1.0, seed=9, top_p=0.9, max_tokens=30, ignore_eos=True, logit_bias=bias)),
         (PROMPTS[2], SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True, n=2)),
         # penalised: each draft counts the drafts before it, as the target's row after them does
         (COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
                               frequency_penalty=0.4)),
-        (PROMPTS[3], SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, presence_penalty=0.8))]
+        (PROMPTS[3], SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, presence_penalty=0.8)),
+        # constrained: the draft samples without the grammar's masks, and what they allow is kept
+        *[(ids, SamplingParams(temperature=t, seed=6, max_tokens=30, logit_bias={i: 8.0 for i in ids},
+                               structured_outputs=StructuredOutputsParams(choice=[FOX]))) for t in (0, 0.8)]]
     before = drafted(self_drafting)
     expected, _ = run(plain, requests)
     got, streamed = run(self_drafting, requests)

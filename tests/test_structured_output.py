@@ -55,7 +55,7 @@ def test_constrained_tokens_fit_a_fresh_matcher_and_the_neighbour_is_unchanged(t
     grammars = engine.grammars
     matcher = grammars.matcher(grammars.grammar(params.structured_outputs))
     for token in sample.token_ids:
-        assert token in allowed_ids(grammars.fill_masks([matcher])[0])
+        assert token in allowed_ids(grammars.fill_masks([matcher], [()])[0][0])
         assert matcher.consume_token(token)
     assert matcher.is_stopped() and pool_is_full(engine)
 
@@ -265,18 +265,26 @@ def test_a_constraint_names_exactly_one_kind(fields, message):
         Constraint(**fields)
 
 
-def test_masks_fill_in_parallel_as_one_by_one(smollm2_tokenizer):
+def test_masks_fill_in_parallel_as_one_by_one_and_after_each_draft(smollm2_tokenizer):
+    """A sequence with drafts gets a mask per sampling row: its grammar's state after 0, 1, ... of
+    its drafts, each the mask of a matcher that took them; the matcher itself does not move."""
     grammars = Grammars(smollm2_tokenizer, 49152, (2,), 65536)
     grammar = grammars.grammar(Constraint(json=PERSON))
     matchers = [grammars.matcher(grammar) for _ in range(3)]
     for matcher, text in zip(matchers, ['{"name": "Al', '{"name": "Bo", "age": 4', '']):
         assert matcher.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
-    masks = grammars.fill_masks(matchers)
-    for matcher, mask in zip(matchers, masks):
-        one = llguidance.numpy.allocate_token_bitmask(1, 49152)
-        llguidance.numpy.fill_next_token_bitmask(matcher, one)
-        assert (mask == one[0]).all()
-    starts = {smollm2_tokenizer.decode([t]) for t in allowed_ids(masks[2])}
+    drafts = [tuple(smollm2_tokenizer.encode('", "age', add_special_tokens=False)), (),
+              tuple(smollm2_tokenizer.encode('{"', add_special_tokens=False))]
+    masks = grammars.fill_masks(matchers, drafts)
+    assert [len(m) for m in masks] == [1 + len(d) for d in drafts]
+    for matcher, rows, proposed in zip(matchers, masks, drafts):
+        for i, mask in enumerate(rows):
+            one = llguidance.numpy.allocate_token_bitmask(1, 49152)
+            llguidance.numpy.fill_next_token_bitmask(matcher, one)
+            assert (mask == one[0]).all()
+            if i < len(proposed):
+                assert matcher.consume_token(proposed[i])
+    starts = {smollm2_tokenizer.decode([t]) for t in allowed_ids(masks[2][0])}
     assert starts and all(text.startswith("{") for text in starts)
 
 

@@ -9,6 +9,7 @@ Hugging Face transformers one request at a time in the same run) and prints a ta
         --speculative-config none --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     jaxserve bench offline --workload ... --lora off --lora 0 --lora 4   # LoRA's cost: off, on, 4 adapters
     jaxserve bench offline --workload ... --repetition-penalty 1.2 --speculative-config ...   # every request penalised
+    jaxserve bench offline --workload ... --structured-outputs '{"json_object": true}'      # every request constrained
 
 Repeated --mesh, --quantization, --kv-cache-dtype, --speculative-config and --lora values are all combined,
 each in the same run; with several, the table says whether each gave the first one's tokens.
@@ -76,6 +77,7 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import ModelConfig, parse_mesh
+    from jaxserve.sampling_params import StructuredOutputsParams
 
     # The limits are per data slice: split the step's totals so that every mesh holds the same batch.
     slices = parse_mesh(mesh)[0]
@@ -95,8 +97,9 @@ def bench_jaxserve(rows, args, mesh: str, quantization: str, kv_cache_dtype: str
                                 Path(scratch.name))
     lora_of = [loras[i % len(loras)] for i in range(len(rows))]
     weight_mib = llm.engine.model.weight_bytes / 2**20
+    constraint = StructuredOutputsParams(**json.loads(args.structured_outputs)) if args.structured_outputs else None
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=not args.eos,
-                             repetition_penalty=args.repetition_penalty) for r in rows]
+                             repetition_penalty=args.repetition_penalty, structured_outputs=constraint) for r in rows]
     prompts = [r["prompt_token_ids"] for r in rows]
     at_a_time = args.concurrency or len(rows)
     batches = [slice(i, i + at_a_time) for i in range(0, len(rows), at_a_time)]
@@ -220,6 +223,8 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
                                                             "system makes the workload's max_tokens)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="every request's (default 1.0: none), as vLLM's SamplingParams take it")
+    parser.add_argument("--structured-outputs", help="every request's constraint, as vLLM's structured_outputs "
+                                                      "JSON, e.g. '{\"json_object\": true}'")
     parser.add_argument("--lora", action="append", default=None,
                         help="off (default), 0 (--enable-lora, requests on the base model) or N (N random adapters "
                              "of --max-lora-rank on every projection, round-robin over the requests, N slots)")

@@ -19,8 +19,10 @@
                                lookup, or a draft model's own runner), computed with its last
                                token in a decode slot of 1 + K tokens, sampled after each
         Grammars.fill_masks()  constrained samples (structured outputs, structured_output.py):
-                               llguidance fills each one's allowed-token bitmask, in parallel;
-                               the SchedulerOutput carries them (token_masks)
+                               llguidance fills each one's allowed-token bitmask, in parallel
+                               (with drafts, cut to what the grammar allows: one per sampling
+                               row, after each draft); the SchedulerOutput carries them
+                               (token_masks)
         Runner.launch()        picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
                                4, ... prefill segments: ~12 shapes), builds its padded arrays
@@ -47,7 +49,8 @@
                                finishes and frees the pages of requests that hit EOS, a stop id
                                or max_tokens
         matcher.consume_token() moves each constrained sample's grammar on; a complete grammar
-                               ends the sample (stop), a dead end fails its request
+                               ends the sample (stop; a run's tokens after it are dropped), a
+                               dead end fails its request
         SampleText.add()       extends each sample's text; stop strings end it (without stop
                                strings, its tokens are detokenised only when an output is made)
         Runner.sample()        a step N+1 launched before N's read-back that samples for

@@ -44,7 +44,7 @@ from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.runner import Followers, LaunchedStep, Runner, speculative_buckets
 from jaxserve.engine.sampler import row_seed
-from jaxserve.engine.structured_output import Grammars, pack_tokens
+from jaxserve.engine.structured_output import Grammars, ProposalsInGrammar, pack_tokens
 from jaxserve.engine.scheduler import Proposer, SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
@@ -231,6 +231,7 @@ class LLMEngine:
                                           self._memory_budget(), extra_bytes_per_page=draft_bytes, window=window)
         self.runner.allocate_pool(pages)
         self.proposer = self._proposer(spec, draft, pages, followers)
+        self._matchers: dict = {}   # sample id -> its grammar's matcher (structured outputs)
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
                            for _ in range(num_slices)]
         self.scheduler = SlicedScheduler(
@@ -238,11 +239,10 @@ class LLMEngine:
                             config.enable_chunked_prefill, config.scheduling_policy,
                             config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0,
                             window),
-            self.allocators, self.proposer)
+            self.allocators, ProposalsInGrammar(self.proposer, self._matchers) if self.proposer else None)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
                                  config.max_structured_output_bytes)
-        self._matchers: dict = {}   # sample id -> its grammar's matcher (structured outputs)
         self._allowed: dict[str, np.ndarray] = {}   # sample id -> packed mask of its allowed_token_ids
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
@@ -592,22 +592,26 @@ class LLMEngine:
         (structured outputs) or allowed_token_ids, or both (then a token must pass both)."""
         if not self._matchers and not self._allowed:
             return output
-        sampling = [s.request_id for s in output.sequences if s.samples]
-        constrained = [i for i in sampling if i in self._matchers]
+        sampling = [s for s in output.sequences if s.samples]
+        constrained = [s for s in sampling if s.request_id in self._matchers]
         masks = {}
-        if constrained:
-            masks = dict(zip(constrained, self.grammars.fill_masks([self._matchers[i] for i in constrained])))
-        for i in sampling:
+        if constrained:   # a sequence with drafts: a mask per sampling row (sampler.allowed_rows)
+            filled = self.grammars.fill_masks([self._matchers[s.request_id] for s in constrained],
+                                              [s.draft_token_ids for s in constrained])
+            masks = {s.request_id: rows if s.draft_token_ids else rows[0] for s, rows in zip(constrained, filled)}
+        for i in (s.request_id for s in sampling):
             if i in self._allowed:
                 masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
         return dataclasses.replace(output, token_masks=masks) if masks else output
 
     def _constrain(self, sample: Request, token: int) -> str | None:
-        """Moves an unfinished constrained sample's grammar past its new token: finishes the sample
-        (stop) when the grammar is complete; returns an error message when the token does not fit
-        (the grammar allowed no token the sampler could take)."""
+        """Moves a constrained sample's grammar past its new token, unless the grammar is complete
+        already: finishes the sample (stop) when the token completes it; returns an error message
+        when the token does not fit (the grammar allowed no token the sampler could take). Every
+        token of a run goes in, even when the scheduler ended the sample at the run's last one, so
+        that a grammar complete before it is seen (`_outputs` drops the tokens after)."""
         matcher = self._matchers.get(sample.request_id)
-        if matcher is None or sample.is_finished:
+        if matcher is None or matcher.is_stopped():
             return None
         if not matcher.consume_token(token):
             return (f"structured output: the constraint allows no continuation after "
@@ -615,6 +619,10 @@ class LLMEngine:
         if matcher.is_stopped():
             self.scheduler.abort(sample.request_id, FinishReason.STOP)
         return None
+
+    def _grammar_complete(self, sample: Request) -> bool:
+        matcher = self._matchers.get(sample.request_id)
+        return matcher is not None and matcher.is_stopped()
 
     def _outputs(self, received: dict[str, tuple[int, ...]],
                  logprobs: dict[str, tuple[TokenLogprob, ...]]) -> list[RequestOutput]:
@@ -638,7 +646,9 @@ class LLMEngine:
                         dead_end = constrained and self._constrain(sample, token)
                         if dead_end and not group.error:   # the request's own constraint led there
                             group.error, group.error_param = dead_end, "structured_outputs"
-                        if text.add(token):
+                        # a stop string, or a grammar complete before the run's last token (drafts)
+                        if text.add(token) or (constrained and i < len(run) - 1
+                                               and self._grammar_complete(sample)):
                             self._stop_at(sample, len(run) - 1 - i)
                             break
                     if sample.is_finished:

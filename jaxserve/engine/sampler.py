@@ -441,10 +441,18 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
 
 def allowed_rows(rows: list, num_rows: int, token_masks: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
     """SamplingTensors.allowed for `num_rows` rows from `rows` (as `sampling_tensors` takes them):
-    the packed mask of each row whose id has one in `token_masks`, all bits set elsewhere."""
+    the packed mask of each row whose id has one in `token_masks`, all bits set elsewhere. A
+    sequence with drafts has a mask per row ([rows, words]: after 0, 1, ... of its drafts), and
+    its rows are consecutive."""
     masked = ([i for i, row in enumerate(rows) if row is not None and row.request_id in token_masks]
               if token_masks else [])
     allowed = _filled((num_rows, mask_width(vocab_size)), -1, masked)
+    rows_before: dict[str, int] = {}   # a sequence's rows with drafts filled so far
     for i in masked:
-        allowed[i] = token_masks[rows[i].request_id]
+        request_id = rows[i].request_id
+        mask = np.asarray(token_masks[request_id])
+        if mask.ndim == 2:
+            mask = mask[rows_before.get(request_id, 0)]
+            rows_before[request_id] = rows_before.get(request_id, 0) + 1
+        allowed[i] = mask
     return allowed

@@ -213,10 +213,11 @@ class Scheduler:
             if num_tokens != 1 or request.num_uncomputed_tokens != 1:
                 continue   # a prompt chunk
             p = request.params
-            # min_tokens masks EOS per position, a grammar needs each token's state: not speculated
+            # min_tokens masks EOS per position: not speculated (a grammar's drafts are cut to what
+            # it allows, and masked per row: structured_output.ProposalsInGrammar)
             room = min(spec.num_speculative_tokens, budget, request.max_total_tokens - request.num_tokens - 1,
                        (p.max_tokens or request.max_total_tokens) - request.num_output_tokens - 1)
-            if room < 1 or p.structured_outputs is not None or request.num_output_tokens < p.min_tokens:
+            if room < 1 or request.num_output_tokens < p.min_tokens:
                 continue
             extra = self.allocator.allocate(request_id, request.num_tokens + room,
                                             write_from=request.num_computed_tokens)

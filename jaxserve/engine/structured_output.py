@@ -8,12 +8,17 @@ without the GIL). The sampler applies the mask before anything else (`jaxserve.e
 A compiled grammar is cached by its constraint, so a schema sent with every request is compiled
 once. A matcher only ever moves forward with the sample's tokens: preemption recomputes the KV
 cache, not the tokens, so the matcher survives it unchanged.
+
+Speculative decoding: a constrained sample's drafts are cut to what its grammar allows
+(`ProposalsInGrammar`), and its step gets a mask per sampling row, after 0, 1, ... of its drafts
+(`Grammars.fill_masks`), filled without moving the matcher; it takes the kept tokens afterwards.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 
 import llguidance
 import llguidance.numpy
@@ -91,12 +96,39 @@ class Grammars:
         tokenizer, _ = self._llg
         return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
 
-    def fill_masks(self, matchers: list) -> np.ndarray:
-        """[len(matchers), mask_width] int32: the tokens each matcher allows next, filled in parallel."""
+    def fill_masks(self, matchers: list, drafts: list[tuple[int, ...]]) -> list[np.ndarray]:
+        """For each matcher, [1 + len(its drafts), mask_width] int32: the tokens it allows next, then
+        after each of its drafts (speculative decoding: the grammar's drafts, see `ProposalsInGrammar`),
+        its state left as it was; filled in parallel."""
         _, executor = self._llg
-        masks = np.zeros((len(matchers), mask_width(self.vocab_size)), np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], masks)
-        return masks
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
+        masks = np.zeros((starts[-1], mask_width(self.vocab_size)), np.int32)
+        plain = [(m, start) for m, start, d in zip(matchers, starts, drafts) if not d]
+        drafted = [(m, start, list(d)) for m, start, d in zip(matchers, starts, drafts) if d]
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(executor, plain, masks)
+        if drafted:   # (llguidance refuses empty drafts there)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, masks)
+        return np.split(masks, starts[1:-1])
+
+
+class ProposalsInGrammar:
+    """A speculative `Proposer` whose proposals each constrained sample's grammar allows: cut before
+    the first token its matcher would reject, so that every draft row is sampled under the mask of
+    the grammar's state after the drafts before it (`Grammars.fill_masks`)."""
+
+    def __init__(self, proposer, matchers: Mapping[str, llguidance.LLMatcher]):
+        self._proposer = proposer
+        self._matchers = matchers   # the engine's, by sample id: read as they are at each proposal
+
+    def propose(self, requests: list, rooms: list[int], tables: list[list[int]], data_slice: int
+                ) -> list[tuple[int, ...]]:
+        proposals = self._proposer.propose(requests, rooms, tables, data_slice)
+        return [self._allowed_prefix(r.request_id, proposed) for r, proposed in zip(requests, proposals)]
+
+    def _allowed_prefix(self, sample_id: str, proposed: tuple[int, ...]) -> tuple[int, ...]:
+        matcher = self._matchers.get(sample_id)
+        return proposed[:matcher.validate_tokens(list(proposed))] if matcher is not None and proposed else proposed
 
 
 def _names(constraint: StructuredOutputsParams) -> tuple[str, str]:
