@@ -224,7 +224,7 @@ def main(argv=None, prog: str = "jaxserve bench offline") -> int:
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="every request's (default 1.0: none), as vLLM's SamplingParams take it")
     parser.add_argument("--structured-outputs", help="every request's constraint, as vLLM's structured_outputs "
-                                                      "JSON, e.g. '{\"json_object\": true}'")
+                                                      "JSON, e.g. '{\"json_object\": true}' (jaxserve's runs only)")
     parser.add_argument("--lora", action="append", default=None,
                         help="off (default), 0 (--enable-lora, requests on the base model) or N (N random adapters "
                              "of --max-lora-rank on every projection, round-robin over the requests, N slots)")
