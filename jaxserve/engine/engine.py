@@ -599,9 +599,8 @@ class LLMEngine:
             filled = self.grammars.fill_masks([self._matchers[s.request_id] for s in constrained],
                                               [s.draft_token_ids for s in constrained])
             masks = {s.request_id: rows if s.draft_token_ids else rows[0] for s, rows in zip(constrained, filled)}
-        for i in (s.request_id for s in sampling):
-            if i in self._allowed:
-                masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
+        for i in (s.request_id for s in sampling if s.request_id in self._allowed):
+            masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
         return dataclasses.replace(output, token_masks=masks) if masks else output
 
     def _constrain(self, sample: Request, token: int) -> str | None:

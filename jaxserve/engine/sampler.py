@@ -452,7 +452,7 @@ def allowed_rows(rows: list, num_rows: int, token_masks: dict[str, np.ndarray], 
         request_id = rows[i].request_id
         mask = np.asarray(token_masks[request_id])
         if mask.ndim == 2:
-            mask = mask[rows_before.get(request_id, 0)]
-            rows_before[request_id] = rows_before.get(request_id, 0) + 1
+            k = rows_before.get(request_id, 0)
+            mask, rows_before[request_id] = mask[k], k + 1
         allowed[i] = mask
     return allowed
