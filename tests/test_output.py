@@ -21,9 +21,11 @@ class CharTokenizer:
 
 
 def feed(text, stop):
-    sample = SampleText(CharTokenizer(), tuple(stop), skip_special_tokens=True)
+    tokens = []
+    sample = SampleText(CharTokenizer(), tuple(stop), skip_special_tokens=True, tokens=tokens)
     seen = []
     for ch in text:
+        tokens.append(ord(ch))
         hit = sample.add(ord(ch))
         seen.append(sample.text)
         if hit:
@@ -57,9 +59,11 @@ def test_text_without_stop_strings_is_detokenised_when_read_and_equals_the_eager
             calls.append(len(ids))
             return super().decode(ids, skip_special_tokens)
 
-    lazy = SampleText(Counting(), (), skip_special_tokens=True)
-    eager = SampleText(CharTokenizer(), ("\x00",), skip_special_tokens=True)   # a stop that never comes
+    tokens = []   # the sample's, which both texts are told of: the lazy one reads it
+    lazy = SampleText(Counting(), (), skip_special_tokens=True, tokens=tokens)
+    eager = SampleText(CharTokenizer(), ("\x00",), skip_special_tokens=True, tokens=tokens)   # a stop that never comes
     for i, ch in enumerate("héllo wörld"):
+        tokens.append(ord(ch))
         assert not lazy.add(ord(ch)) and not eager.add(ord(ch))
         if i == 4:
             assert not calls                           # nothing decoded while nobody reads it

@@ -63,13 +63,16 @@ class RequestMetrics:
 class SampleText:
     """Text of one sample, grown token by token. Without stop strings nothing in the text can end
     the sample, so its tokens are detokenised only when the text is read (`catch_up`): once per
-    output for a stream, once at the end for a request that asks for its final output only."""
+    output for a stream, once at the end for a request that asks for its final output only.
+    `tokens` is the sample's own list of output token ids (`Request.output_token_ids`), which the
+    scheduler appends to: such a text reads its tokens from there, and `add` has nothing to do."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool):
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool, tokens: list[int]):
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._held = ""
-        self._pending: list[int] = []   # tokens added but not detokenised yet (no stop strings)
+        self._tokens = tokens
+        self._num_read = 0   # of `tokens`, detokenised (no stop strings)
         self._text = ""
         self.stopped = False
 
@@ -79,18 +82,17 @@ class SampleText:
         return self._text
 
     def add(self, token_id: int) -> bool:
-        """Adds a token's text; True if a stop string completed (the text then ends before it)."""
-        if not self._stop:
-            self._pending.append(token_id)
-        elif not self.stopped:
+        """Adds the sample's next token (in `tokens` already); True if a stop string completed (the
+        text then ends before it)."""
+        if self._stop and not self.stopped:
             self.stopped = self._release(self._detokenizer.add(token_id), final=False)
         return self.stopped
 
     def catch_up(self) -> None:
-        """Detokenises the tokens added since the text was last read."""
-        if self._pending:
-            pending, self._pending = self._pending, []
-            self._text += self._detokenizer.add(pending)
+        """Detokenises the tokens added since the text was last read (no stop strings)."""
+        if not self._stop and self._num_read < len(self._tokens):
+            pending, self._num_read = self._tokens[self._num_read:], len(self._tokens)   # read once,
+            self._text += self._detokenizer.add(pending)   # even when a tokenizer fails on them
 
     def finish(self) -> None:
         """Releases whatever was held back, unless a stop string already ended the text."""
