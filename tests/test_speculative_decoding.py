@@ -267,7 +267,7 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_dra
         (COPY, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
                               frequency_penalty=0.4)),
         (PROMPTS[3], SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, presence_penalty=0.8)),
-        # constrained: the draft samples without the grammar's masks, and what they allow is kept
+        # constrained: the draft samples under the grammar's masks, as the target does
         *[(ids, SamplingParams(temperature=t, seed=6, max_tokens=30, logit_bias={i: 8.0 for i in ids},
                                structured_outputs=StructuredOutputsParams(choice=[FOX]))) for t in (0, 0.8)]]
     before = drafted(self_drafting)
@@ -277,6 +277,25 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_dra
     proposed, accepted = np.subtract(drafted(self_drafting), before)
     assert proposed > 0 and accepted == proposed   # acceptance rate 1.0, sampled requests too
     assert max(len(s) for s in streamed) < 30 / 2  # 1 + 3 tokens a step, less at the start and the end
+
+
+def test_a_draft_model_samples_under_the_grammar(plain, self_drafting):
+    """A draft model's drafts for a constrained sample are sampled under its grammar's mask after the
+    drafts before them: the random model, which on its own never writes the text, proposes it, so a
+    step writes several of its tokens; greedy and seeded, the engine's tokens without speculation."""
+    text = f"{FOX}, {FOX}"
+    ids = plain.tokenizer.encode(text, add_special_tokens=False)
+    choice = StructuredOutputsParams(choice=[text])
+    requests = [([3, 4, 5], SamplingParams(temperature=0, max_tokens=60, structured_outputs=choice)),
+                (COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=60, structured_outputs=choice))]
+    before = drafted(self_drafting)
+    expected, _ = run(plain, requests)
+    got, streamed = run(self_drafting, requests)
+    assert samples(got) == samples(expected)
+    assert [o.outputs[0].text for o in got] == [text] * 2
+    proposed, accepted = np.subtract(drafted(self_drafting), before)
+    assert accepted == proposed >= len(ids)   # none without the masks: its own drafts leave the text
+    assert max(len(s) for s in streamed) <= len(ids) // 3 + 2   # 1 + 3 tokens a step
 
 
 def test_each_proposal_fills_the_drafts_penalty_slot_anew(self_drafting, monkeypatch):

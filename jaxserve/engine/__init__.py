@@ -20,8 +20,9 @@
                                token in a decode slot of 1 + K tokens, sampled after each
         Grammars.fill_masks()  constrained samples (structured outputs, structured_output.py):
                                llguidance fills each one's allowed-token bitmask, in parallel
-                               (with drafts, cut to what the grammar allows: one per sampling
-                               row, after each draft); the SchedulerOutput carries them
+                               (with drafts, which a draft model samples under the grammar's
+                               masks and which are cut to what the grammar allows: one per
+                               sampling row, after each draft); the SchedulerOutput carries them
                                (token_masks)
         Runner.launch()        picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,

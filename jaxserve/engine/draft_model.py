@@ -16,7 +16,10 @@ the same K/V that any other request with that prefix wrote there.
      budget, without sampling (the whole prompt, the first time; one token after a full accept);
   2. call 1 computes each request's last token and samples draft 1; calls 2..K compute each draft
      as a placeholder (its id read on the device from the call before) and sample the next. The
-     calls are launched back to back, then read back together.
+     calls are launched back to back, then read back together; when a grammar constrains some
+     of the requests (structured outputs), each call is read back before the next, whose masks
+     are its grammar's after the drafts so far (`masks_after`; where they end the grammar, what
+     the call samples after them is cut by `ProposalsInGrammar`).
 Draft i is sampled with the request's seed for its output index and its sampling parameters, so
 the draft shares its Gumbel noise with the target's sample at that index: where q is close to p
 they agree, and with q = p always (see rejection_sampler). Penalties too: call 1 sends a penalised
@@ -34,7 +37,7 @@ import weakref
 
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.scheduler import SchedulerConfig
+from jaxserve.engine.scheduler import MasksAfter, SchedulerConfig
 from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -69,9 +72,9 @@ class DraftModelProposer:
         self._seen: weakref.WeakSet[Request] = weakref.WeakSet()   # whose draft K/V a lost pool takes along
 
     def propose(self, requests: list[Request], rooms: list[int], tables: list[list[int]],
-                data_slice: int) -> list[tuple[int, ...]]:
+                data_slice: int, masks_after: MasksAfter | None = None) -> list[tuple[int, ...]]:
         try:
-            return self._propose(requests, rooms, [tuple(t) for t in tables], data_slice)
+            return self._propose(requests, rooms, [tuple(t) for t in tables], data_slice, masks_after)
         except Exception:  # noqa: BLE001 - a failed proposal costs the drafts, never the requests
             log.exception("the draft model's proposals failed: this step verifies no drafts")
             if self.runner.pool_is_lost():
@@ -80,24 +83,35 @@ class DraftModelProposer:
                     request.num_draft_computed_tokens = 0
             return [()] * len(requests)
 
-    def _propose(self, requests, rooms, tables, data_slice) -> list[tuple[int, ...]]:
+    def _propose(self, requests, rooms, tables, data_slice, masks_after) -> list[tuple[int, ...]]:
         for request in requests:
             self._seen.add(request)
             # positions past the last kept token hold rejected drafts
             request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_tokens - 1)
         self._catch_up(requests, tables, data_slice)
         self.runner.release_penalty_slots(r.request_id for r in requests if r.params.penalizes)
+        drafts = [[] for _ in requests]
+        masks = masks_after(requests, [()] * len(requests)) if masks_after else {}
         launched = []
         for i in range(max(rooms)):
-            sequences = tuple(self._sequence(r, table, data_slice, i)
-                              for r, room, table in zip(requests, rooms, tables) if room > i)
-            launched.append(self.runner.launch(SchedulerOutput(sequences)))
-        tokens = [self.runner.collect(step).tokens for step in launched]
-        drafts = []
+            live = [k for k, room in enumerate(rooms) if room > i]
+            sequences = tuple(self._sequence(requests[k], tables[k], data_slice, i) for k in live)
+            launched.append((self.runner.launch(SchedulerOutput(sequences, token_masks=masks or None)), live))
+            if masks:   # steered: the next call's masks follow this call's drafts
+                self._take(*launched.pop(), requests, drafts)
+                going = [k for k in live if rooms[k] > i + 1]
+                masks = masks_after([requests[k] for k in going], [tuple(drafts[k]) for k in going])
+        for step, live in launched:
+            self._take(step, live, requests, drafts)
         for request, room in zip(requests, rooms):
-            drafts.append(tuple(tokens[i][request.request_id][0] for i in range(room)))
             request.num_draft_computed_tokens = request.num_tokens + room - 1   # its last token, drafts 1..K-1
-        return drafts
+        return [tuple(d) for d in drafts]
+
+    def _take(self, step, live: list[int], requests: list[Request], drafts: list[list[int]]) -> None:
+        """Reads a call back: its draft for each request it sampled for (`live`: their indices)."""
+        tokens = self.runner.collect(step).tokens
+        for k in live:
+            drafts[k].append(tokens[requests[k].request_id][0])
 
     def _catch_up(self, requests, tables, data_slice) -> None:
         """Computes each request's tokens up to its last one (exclusive), in calls within the budget."""

@@ -238,6 +238,9 @@ class LLMEngine:
         self.runner.allocate_pool(pages)
         self.proposer = self._proposer(spec, draft, pages, followers)
         self._matchers: dict = {}   # sample id -> its grammar's matcher (structured outputs)
+        self.eos_token_ids = self._eos_token_ids()
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
+                                 config.max_structured_output_bytes)
         self.allocators = [PageAllocator(pages, config.page_size, config.enable_prefix_caching)
                            for _ in range(num_slices)]
         self.scheduler = SlicedScheduler(
@@ -245,10 +248,8 @@ class LLMEngine:
                             config.enable_chunked_prefill, config.scheduling_policy,
                             config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0,
                             window),
-            self.allocators, ProposalsInGrammar(self.proposer, self._matchers) if self.proposer else None)
-        self.eos_token_ids = self._eos_token_ids()
-        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
-                                 config.max_structured_output_bytes)
+            self.allocators,
+            ProposalsInGrammar(self.proposer, self._matchers, self.grammars) if self.proposer else None)
         self._allowed: dict[str, np.ndarray] = {}   # sample id -> packed mask of its allowed_token_ids
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)

@@ -33,6 +33,6 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, requests, rooms: list[int], tables, data_slice: int) -> list[tuple[int, ...]]:
+    def propose(self, requests, rooms: list[int], tables, data_slice: int, masks_after=None) -> list[tuple[int, ...]]:
         return [propose(r.prompt_token_ids, r.output_token_ids, room, self.min_n, self.max_n)
                 for r, room in zip(requests, rooms)]

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from jaxserve.config import SpeculativeConfig
@@ -89,14 +89,21 @@ class SchedulerCounters:
     spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)   # [i]: at draft i
 
 
+# (requests, each one's drafts so far) -> the packed allowed-token mask after them of each request
+# whose samples a grammar constrains, by id (structured_output.ProposalsInGrammar.masks_after)
+MasksAfter = Callable[[list[Request], list[tuple[int, ...]]], Mapping[str, Sequence[int]]]
+
+
 class Proposer(Protocol):
     """Speculative drafts for decoding requests (`jaxserve.engine.ngram_proposer`, `.draft_model`)."""
 
     def propose(self, requests: list[Request], rooms: list[int], tables: list[list[int]],
-                data_slice: int) -> list[tuple[int, ...]]:
+                data_slice: int, masks_after: MasksAfter | None = None) -> list[tuple[int, ...]]:
         """Up to rooms[i] tokens to follow requests[i]'s tokens (its last one included, which this
         step computes); tables[i]: its pages, with room for the drafts. A draft model writes its
-        own K/V there, in a pool of its own, and records how far in `num_draft_computed_tokens`."""
+        own K/V there, in a pool of its own, and records how far in `num_draft_computed_tokens`.
+        `masks_after`: the allowed-token masks of the constrained requests after given drafts, for
+        a proposer that samples (a draft model samples under them; n-gram proposals are cut)."""
         ...
 
 

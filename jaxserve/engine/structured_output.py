@@ -9,8 +9,9 @@ A compiled grammar is cached by its constraint, so a schema sent with every requ
 once. A matcher only ever moves forward with the sample's tokens: preemption recomputes the KV
 cache, not the tokens, so the matcher survives it unchanged.
 
-Speculative decoding: a constrained sample's drafts are cut to what its grammar allows
-(`ProposalsInGrammar`), and its step gets a mask per sampling row, after 0, 1, ... of its drafts
+Speculative decoding: a draft model samples each constrained sample's drafts under its grammar's
+mask after the drafts before them, and any proposal is cut to what the grammar allows
+(`ProposalsInGrammar`); the step gets a mask per sampling row, after 0, 1, ... of its drafts
 (`Grammars.fill_masks`), filled without moving the matcher; it takes the kept tokens afterwards.
 """
 
@@ -113,18 +114,30 @@ class Grammars:
 
 
 class ProposalsInGrammar:
-    """A speculative `Proposer` whose proposals each constrained sample's grammar allows: cut before
+    """A speculative `Proposer` whose proposals each constrained sample's grammar allows: a draft
+    model samples them under the grammar's masks (`masks_after`), and any proposal is cut before
     the first token its matcher would reject, so that every draft row is sampled under the mask of
     the grammar's state after the drafts before it (`Grammars.fill_masks`)."""
 
-    def __init__(self, proposer, matchers: Mapping[str, llguidance.LLMatcher]):
+    def __init__(self, proposer, matchers: Mapping[str, llguidance.LLMatcher], grammars: Grammars):
         self._proposer = proposer
         self._matchers = matchers   # the engine's, by sample id: read as they are at each proposal
+        self._grammars = grammars
 
     def propose(self, requests: list, rooms: list[int], tables: list[list[int]], data_slice: int
                 ) -> list[tuple[int, ...]]:
-        proposals = self._proposer.propose(requests, rooms, tables, data_slice)
+        steer = any(r.request_id in self._matchers for r in requests)
+        proposals = self._proposer.propose(requests, rooms, tables, data_slice, self.masks_after if steer else None)
         return [self._allowed_prefix(r.request_id, proposed) for r, proposed in zip(requests, proposals)]
+
+    def masks_after(self, requests: list, drafts: list[tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """The packed allowed-token mask of each constrained request's grammar after its drafts (the
+        matcher does not move); all zero once the drafts end the grammar or leave it."""
+        constrained = [(r.request_id, d) for r, d in zip(requests, drafts) if r.request_id in self._matchers]
+        if not constrained:
+            return {}
+        filled = self._grammars.fill_masks([self._matchers[i] for i, _ in constrained], [d for _, d in constrained])
+        return {i: rows[-1] for (i, _), rows in zip(constrained, filled)}
 
     def _allowed_prefix(self, sample_id: str, proposed: tuple[int, ...]) -> tuple[int, ...]:
         matcher = self._matchers.get(sample_id)
