@@ -65,7 +65,8 @@ class SampleText:
     the sample, so its tokens are detokenised only when the text is read (`catch_up`): once per
     output for a stream, once at the end for a request that asks for its final output only.
     `tokens` is the sample's own list of output token ids (`Request.output_token_ids`), which the
-    scheduler appends to: such a text reads its tokens from there, and `add` has nothing to do."""
+    scheduler appends to: a text without stop strings reads them from there when it is read, and
+    `add` has nothing to do for it."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool, tokens: list[int]):
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
