@@ -25,7 +25,8 @@ Each run reports the garbage collector's pauses; the start-up heap is frozen and
 collected less often, as a server's are (`--unfrozen`: each run again with Python's settings).
 `--logprobs N`: every request asks for its tokens' logprobs and N top ones (what a stream then
 carries grows with it: `--output-kind delta --output-tokens 448`).
-`--scheduler-only`: `schedule` and `update` alone, no model.
+`--no-model`: `schedule`, the step's arrays and `update` alone (`--temperature`, `--penalized` and
+`--max-model-len` apply).
 `--max-model-len` (default 512): with `--penalized`, a penalised row's token history is this wide
 (8192 is SmolLM2's own context length, the engine's default for it).
 `--host-core`: the engine thread on a core of its own, XLA's threads on the others, as a host
@@ -239,29 +240,47 @@ def report(label: str, num_seqs: int, times, wall: float, startup: float, serial
               f"{med('device'):9.2f}")
 
 
-def scheduler_only(num_seqs: int, prompts: list[list[int]], steps: int = 300) -> None:
-    """The scheduler alone, no model: `schedule` and `update` of `num_seqs` decoding requests, each
-    sampling token 5 at every step (serial steps, no placeholders)."""
+def no_model(num_seqs: int, prompts: list[list[int]], temperature: float, penalized: bool, max_model_len: int,
+             steps: int = 300) -> None:
+    """The host's own work of a step without a model: `Scheduler.schedule`, the step's arrays
+    (`BatchLayout.build`, sampling arrays included, at the engine's default page and segment sizes
+    and bucket) and `Scheduler.update`, for `num_seqs` decoding requests that each sample token 5
+    at every step. As under async scheduling, step N+1 is scheduled and laid out before step N is
+    read back, so its decodes are placeholders. No XLA threads share the cores: steadier figures
+    than a run with a model, for comparing versions of this code."""
+    from jaxserve.engine.batch import BatchLayout
     from jaxserve.engine.page_allocator import PageAllocator
+    from jaxserve.engine.penalty_slots import PenaltySlots
     from jaxserve.engine.request import Request
+    from jaxserve.engine.runner import smallest_bucket, step_buckets
     from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
     from jaxserve.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.7, max_tokens=steps + 2, ignore_eos=True)
-    scheduler = Scheduler(SchedulerConfig(num_seqs, max(512, num_seqs * 2), 32), PageAllocator(num_seqs * 40, 16))
+    page_size, segment, budget = 16, 16, max(512, num_seqs * 2)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True,
+                            frequency_penalty=0.5 if penalized else 0.0, presence_penalty=0.3 if penalized else 0.0)
+    scheduler = Scheduler(SchedulerConfig(num_seqs, budget, segment), PageAllocator(num_seqs * 40, page_size))
+    table_width = -(-max_model_len // page_size)
+    layout = BatchLayout(page_size, segment, 1, table_width, 49152, max_model_len, num_seqs)
+    buckets, slots = step_buckets(num_seqs, budget, segment), PenaltySlots(num_seqs)
     for i in range(num_seqs):
-        scheduler.add(Request(f"r{i}", prompts[i % len(prompts)], params, seed=i, max_total_tokens=1024))
-    times = []
+        scheduler.add(Request(f"r{i}", prompts[i % len(prompts)], params, seed=i, max_total_tokens=max_model_len))
+    times, in_flight, previous_rows = [], None, {}
     for _ in range(steps):
         started = time.perf_counter()
         output = scheduler.schedule()
         scheduled = time.perf_counter()
-        scheduler.update(output, {s.request_id: (5,) for s in output.sequences})
-        times.append((scheduled - started, time.perf_counter() - scheduled))
+        _, rows = layout.build(output, smallest_bucket(buckets, layout.needs(output)), 1, previous_rows, slots)
+        built = time.perf_counter()
+        if in_flight is not None:
+            scheduler.update(in_flight, {s.request_id: (5,) for s in in_flight.sequences if s.samples})
+        times.append((scheduled - started, built - scheduled, time.perf_counter() - built))
+        in_flight, previous_rows = output, {s.request_id: i for i, s in enumerate(rows) if s is not None}
     decodes = times[steps // 4:]   # after the prompts
-    print(f"scheduler alone, {num_seqs} decoding sequences: schedule "
-          f"{statistics.median(t for t, _ in decodes) * 1e3:.3f} ms, update "
-          f"{statistics.median(t for _, t in decodes) * 1e3:.3f} ms a step (medians of {len(decodes)} steps)")
+    print(f"no model, {num_seqs} decoding sequences: schedule {statistics.median(t[0] for t in decodes) * 1e3:.3f}, "
+          f"layout {statistics.median(t[1] for t in decodes) * 1e3:.3f}, update "
+          f"{statistics.median(t[2] for t in decodes) * 1e3:.3f}, in all "
+          f"{statistics.median(sum(t) for t in decodes) * 1e3:.3f} ms a step (medians of {len(decodes)} steps)")
 
 
 def give_the_host_a_core() -> str:
@@ -301,7 +320,8 @@ def main() -> None:
                              "asks for, cumulative and delta what streams get; several: each in turn")
     parser.add_argument("--unfrozen", action="store_true",
                         help="each run again without freezing the start-up heap (host_memory.freeze_startup_heap)")
-    parser.add_argument("--scheduler-only", action="store_true", help="time the scheduler alone, no model")
+    parser.add_argument("--no-model", action="store_true",
+                        help="time schedule, layout and update alone, without a model (see above)")
     parser.add_argument("--server", action="store_true", help="through AsyncEngine, read as the server reads "
                                                               "replies (see above)")
     parser.add_argument("--host-core", action="store_true",
@@ -313,9 +333,9 @@ def main() -> None:
 
     keep_freed_memory()
     prompts = [r["prompt_token_ids"][:32] for r in read_workload(args.workload, None)]
-    if args.scheduler_only:
+    if args.no_model:
         for num_seqs in args.num_seqs:
-            scheduler_only(num_seqs, prompts)
+            no_model(num_seqs, prompts, args.temperature, args.penalized, args.max_model_len)
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp))) if args.tiny else args.model
