@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 
 from jaxserve.errors import InvalidRequestError
@@ -144,6 +145,11 @@ class SamplingParams:
         output only, nor with best_of > n, whose returned samples are known only at the end."""
         return self.num_samples == self.n and self.output_kind != RequestOutputKind.FINAL_ONLY
 
-    @property
+    @functools.cached_property   # read for every sequence at every step
+    def needs_logprobs(self) -> bool:
+        """Whether each sampled token's logprob is needed: asked for, or to rank best_of's samples."""
+        return self.logprobs is not None or self.num_samples > self.n
+
+    @functools.cached_property
     def penalizes(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -26,7 +26,6 @@ splits them there); logit row indices count from the start of the whole batch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import jax
@@ -88,12 +87,13 @@ class BatchLayout:
     def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
         """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
         decode, segments, decode_len = [0] * num_slices, [0] * num_slices, 1
-        for s in output.sequences:
-            if is_decode(s):
+        for s in output.sequences:   # is_decode, inline: a call per sequence was a tenth of the layout
+            num_tokens = len(s.token_ids)
+            if num_tokens == 1 or s.draft_token_ids:
                 decode[s.data_slice] += 1
-                decode_len = max(decode_len, s.num_tokens)
+                decode_len = max(decode_len, num_tokens)
             else:
-                segments[s.data_slice] += math.ceil(s.num_tokens / self.segment)
+                segments[s.data_slice] += -(-num_tokens // self.segment)
         return Bucket(max(decode), max(segments), decode_len)
 
     def build(self, output: SchedulerOutput, bucket: Bucket, num_slices: int = 1,
@@ -136,9 +136,9 @@ class BatchLayout:
         token_lora_slots = np.zeros(num_tokens, np.int32)
         scored = 0   # prompt rows filled
         rows: list[ScheduledSequence | None] = [None] * num_rows
-        decodes, others = [], []
-        for s in sequences:
-            (decodes if is_decode(s) else others).append(s)
+        decodes = [s for s in sequences if len(s.token_ids) == 1 or s.draft_token_ids]   # is_decode
+        others = [s for s in sequences if len(s.token_ids) > 1 and not s.draft_token_ids] \
+            if len(decodes) < len(sequences) else []
         next_prefill_row = len(decodes) * dl   # the rows of the decodes' tokens, then the prompts'
         if next_prefill_row + sum(s.samples for s in others) > num_rows:
             raise ValueError(f"a step of {len(decodes)} decodes and {len(others)} prompt chunks exceeds the "
@@ -153,11 +153,18 @@ class BatchLayout:
             decode_rows = ragged.add_decodes([s.block_table for s in decodes], pos + 1, dl)
             slots[at] = ragged.block_tables[decode_rows, pos // ps] * ps + pos % ps
             placeholders = [i for i, s in enumerate(decodes) if s.placeholder]
-            placeholder_rows[at[placeholders]] = [_previous_row(decodes[i], previous_rows) for i in placeholders]
+            previous = [previous_rows.get(decodes[i].request_id) for i in placeholders]
+            if None in previous:
+                raise _not_sampled_before(decodes[placeholders[previous.index(None)]])
+            placeholder_rows[at[placeholders]] = previous
             sampled = [i for i, s in enumerate(decodes) if s.samples]
-            logits_index[at[sampled]] = at[sampled]
-            for i in sampled:
-                rows[i * dl] = decodes[i]
+            if len(sampled) == len(decodes):   # the usual step: every decode samples
+                logits_index[at] = at
+                rows[:len(decodes) * dl:dl] = decodes
+            else:
+                logits_index[at[sampled]] = at[sampled]
+                for i in sampled:
+                    rows[i * dl] = decodes[i]
             if lora_slots:
                 token_lora_slots[at] = [lora_slots.get(s.request_id, 0) for s in decodes]
             sequences = others
@@ -218,14 +225,18 @@ class BatchLayout:
 
 def _single_tokens(decodes: list[ScheduledSequence]) -> bool:
     """Every decode slot holds one token and scores no prompt (no drafts): laid out by columns."""
-    return all(s.num_tokens == 1 and not s.prompt_targets for s in decodes)
+    return not any(len(s.token_ids) > 1 or s.prompt_targets for s in decodes)
 
 
 def _previous_row(s: ScheduledSequence, previous_rows: Mapping[str, int]) -> int:
     """The logit row of the step before that sampled `s`'s placeholder."""
     if s.request_id not in previous_rows:
-        raise ValueError(f"{s.request_id} has a placeholder, but the step before did not sample it")
+        raise _not_sampled_before(s)
     return previous_rows[s.request_id]
+
+
+def _not_sampled_before(s: ScheduledSequence) -> ValueError:
+    return ValueError(f"{s.request_id} has a placeholder, but the step before did not sample it")
 
 
 def is_decode(s: ScheduledSequence) -> bool:
@@ -260,8 +271,11 @@ class _RaggedRows:
         when a slot is longer (L > 1). Returns each decode's row."""
         n, step = len(tables), 1 if decode_len == 1 else 2
         rows = np.arange(n) * step
-        for row, table in zip(rows.tolist(), tables):
-            self.block_tables[row, :len(table)] = table
+        if n:   # the tables at once: row by row took ~0.15 ms of 256 decodes
+            widths = np.array([len(table) for table in tables])
+            entries = np.concatenate(tables)
+            firsts = np.repeat(np.cumsum(widths) - widths, widths)   # each entry's table's first, in `entries`
+            self.block_tables[np.repeat(rows, widths), np.arange(len(entries)) - firsts] = entries
         self.kv_lens[rows] = kv_lens
         starts = np.arange(n, dtype=np.int32) * decode_len
         ends = np.empty(max(step * n - step + 1, 0), np.int32)   # each row's end: a decode's, then its padding's

@@ -114,6 +114,10 @@ class PageAllocator:
         self._num_registered[seq_id] = len(table)
         return len(table)
 
+    def num_offered(self, seq_id: str) -> int:
+        """How many of `seq_id`'s leading pages were offered to the cache (`cache_pages`, `match_prefix`)."""
+        return self._num_registered.get(seq_id, 0)
+
     def cache_pages(self, seq_id: str, hashes: list[bytes], num_pages: int | None = None) -> None:
         """Registers `seq_id`'s first `num_pages` pages (default: `len(hashes)`), full and computed,
         under their hashes. A hash already cached (the same prefix computed twice) keeps its first page."""

@@ -41,7 +41,7 @@ from jaxserve.engine.output import TokenLogprob
 from jaxserve.engine.prompt_logprobs import PromptLogprobs
 from jaxserve.engine.rejection_sampler import accepted_length
 from jaxserve.engine.penalty_slots import PenaltySlots
-from jaxserve.engine.sampler import Sampled, allowed_rows
+from jaxserve.engine.sampler import Sampled, Samples, allowed_rows
 from jaxserve.engine.step import compile_copy_pages, compile_forward, compile_split_step, compile_step, over_gloo
 from jaxserve.models.layers.attention import MeshAttention, backend_for
 from jaxserve.sampling_params import SamplingParams
@@ -118,6 +118,29 @@ def smallest_bucket(buckets: list[Bucket], need: Bucket) -> Bucket:
         if _holds(bucket, need):
             return bucket
     raise ValueError(f"a step of {need} exceeds the largest compiled bucket {buckets[-1]}")
+
+
+def _read_rows(rows: list[ScheduledSequence | None], samples: Samples, sampled: list[int], finite: list[bool],
+               wants_logprobs: list[bool]) -> tuple[dict, dict, set]:
+    """`StepResult`'s tokens, logprobs and non-finite ids from a step's rows, any of them with drafts."""
+    tokens, logprobs, non_finite = {}, {}, set()
+    all_finite = all(finite)   # no row to check alone
+    end = 0   # a sequence with drafts samples at consecutive rows: after its last token and each draft
+    for first, seq in enumerate(rows):
+        if seq is None or first < end:
+            continue
+        end = first + 1 + len(seq.draft_token_ids)
+        end_kept = first + accepted_length(sampled[first:end], seq.draft_token_ids) if seq.draft_token_ids else end
+        if not all_finite and not all(finite[first:end_kept]):
+            non_finite.add(seq.request_id)
+            continue
+        tokens[seq.request_id] = tuple(sampled[first:end_kept])
+        if wants_logprobs[first]:
+            k = seq.params.logprobs or 0
+            logprobs[seq.request_id] = tuple(TokenLogprob(sampled[i], float(samples.logprob[i]), tuple(
+                zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist())))
+                for i in range(first, end_kept))
+    return tokens, logprobs, non_finite
 
 
 def resolve_backend(name: str) -> str:
@@ -430,27 +453,14 @@ class Runner:
         started = time.perf_counter()
         samples, prompt = jax.device_get(step.samples), step.prompt
         wait_s = time.perf_counter() - started
-        tokens, logprobs, non_finite = {}, {}, set()
         # Python lists: indexing numpy per row took 1.1 ms of 256 rows, the lists 0.3-0.4 ms
         sampled, finite, wants_logprobs = (samples.tokens.tolist(), samples.finite.tolist(),
                                            batch.sampling.logprobs.tolist())
-        all_finite = all(finite)   # the usual step: no row to check alone
-        end = 0   # a sequence with drafts samples at consecutive rows: after its last token and each draft
-        for first, seq in enumerate(rows):
-            if seq is None or first < end:
-                continue
-            end = first + 1 + len(seq.draft_token_ids)
-            end_kept = first + accepted_length(sampled[first:end], seq.draft_token_ids) if seq.draft_token_ids else end
-            if not all_finite and not all(finite[first:end_kept]):
-                non_finite.add(seq.request_id)
-                continue
-            tokens[seq.request_id] = tuple(sampled[first:end_kept])
-            if wants_logprobs[first]:
-                k = seq.params.logprobs or 0
-                logprobs[seq.request_id] = tuple(TokenLogprob(sampled[i], float(samples.logprob[i]), tuple(
-                    zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist())))
-                    for i in range(first, end_kept))
-        return StepResult(tokens, logprobs, non_finite, self._prompt_logprobs(output, bucket, batch, prompt), wait_s)
+        if bucket.decode_len == 1 and all(finite) and not any(wants_logprobs):   # the usual step: a token a row
+            found = {seq.request_id: (token,) for seq, token in zip(rows, sampled) if seq is not None}, {}, set()
+        else:
+            found = _read_rows(rows, samples, sampled, finite, wants_logprobs)
+        return StepResult(*found, self._prompt_logprobs(output, bucket, batch, prompt), wait_s)
 
     def _prompt_logprobs(self, output: SchedulerOutput, bucket: Bucket, batch: StepInput,
                          prompt: PromptLogprobs) -> dict[str, list[tuple[int, TokenLogprob]]]:

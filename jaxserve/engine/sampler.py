@@ -413,14 +413,14 @@ def sampling_tensors(rows: list, num_rows: int, vocab_size: int, history_width: 
     penalty_slot = np.full(num_rows, penalty_slots.num_slots if penalty_slots else num_rows, np.int32)
     count_sample = np.zeros(num_rows, np.bool_)
     logprobs = np.zeros(num_rows, np.bool_)
-    if present:   # what every row has, a column at a time
-        params = [rows[i].params for i in present]
-        temperature[present] = [p.temperature for p in params]
-        top_k[present] = [p.top_k for p in params]
-        top_p[present] = [p.top_p for p in params]
-        min_p[present] = [p.min_p for p in params]
-        seed[present] = row_seeds([rows[i].seed for i in present], [rows[i].num_output_tokens for i in present])
-        logprobs[present] = [p.logprobs is not None or p.num_samples > p.n for p in params]
+    if present:   # what every row has, a column at a time (indexed by an array: a list is converted each time)
+        at, params = np.array(present), [rows[i].params for i in present]
+        temperature[at] = [p.temperature for p in params]
+        top_k[at] = [p.top_k for p in params]
+        top_p[at] = [p.top_p for p in params]
+        min_p[at] = [p.min_p for p in params]
+        seed[at] = row_seeds([rows[i].seed for i in present], [rows[i].num_output_tokens for i in present])
+        logprobs[at] = [p.needs_logprobs for p in params]
     for i in biased:   # what few rows have
         row = rows[i]
         ids, values = zip(*row.params.logit_bias, *((t, -np.inf) for t in row.suppressed_token_ids))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -120,6 +121,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._forks: dict[str, list[Request]] = {}     # first sample's id -> samples waiting to fork
         self._arrivals = itertools.count()
+        # a request's rank, the sort key: lower runs first (a key of one attribute sorts the running
+        # requests in a third of the time a method's tuple took)
+        self.rank = self._priority_rank if config.policy == "priority" else operator.attrgetter("arrival_index")
 
     @property
     def num_preemptions(self) -> int:
@@ -155,29 +159,31 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------
 
-    def rank(self, request: Request) -> tuple:
-        if self.config.policy == "priority":
-            return not request.promoted, 0 if request.promoted else request.priority, request.arrival_index
-        return (request.arrival_index,)
+    @staticmethod
+    def _priority_rank(request: Request) -> tuple:
+        return not request.promoted, 0 if request.promoted else request.priority, request.arrival_index
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, int]] = {}
         copies: dict[str, list[tuple[int, int]]] = {}
         preempted: list[str] = []
+        config = self.config
         for request in sorted(self.running, key=self.rank):
             if request.status is not RequestStatus.RUNNING or request.placeholder_finishes:
                 continue  # preempted to make room for a better-ranked one, or ends when read back
-            num_tokens = self.config.largest_chunk(request.num_uncomputed_tokens, budget)
-            if num_tokens == 0:
-                break
+            num_tokens = request.num_uncomputed_tokens
+            if num_tokens != 1 or budget < 1:   # a decode's one token fits and costs 1, without the calls
+                num_tokens = config.largest_chunk(num_tokens, budget)
+                if num_tokens == 0:
+                    break
             request_copies = self._allocate_or_preempt(request, num_tokens, preempted)
             if request_copies is None:
                 continue
             scheduled[request.request_id] = (request, num_tokens)
             if request_copies:
                 copies[request.request_id] = request_copies
-            budget -= self.config.chunk_cost(num_tokens)
+            budget -= 1 if num_tokens == 1 else config.chunk_cost(num_tokens)
         for victim in preempted:
             scheduled.pop(victim, None)
             copies.pop(victim, None)
@@ -203,10 +209,15 @@ class Scheduler:
             budget -= self.config.chunk_cost(num_tokens)
         self._age_waiting()
         drafts = self._speculate(scheduled, copies, budget) if self.config.speculative and not preempted else {}
-        sequences = tuple(self._describe(r, n, drafts.get(i, ())) for i, (r, n) in scheduled.items())
-        for request, num_tokens in scheduled.values():
-            self._commit(request, num_tokens)
-        return SchedulerOutput(sequences, tuple(preempted), tuple(c for cs in copies.values() for c in cs))
+        sequences = []
+        for request_id, (request, num_tokens) in scheduled.items():
+            sequences.append(self._describe(request, num_tokens, drafts.get(request_id, ())))
+            # The chunk counts as computed, and its sample, if it makes one, as a placeholder: so the
+            # next step can be scheduled before this one is read back (async scheduling).
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_placeholders += 1
+        return SchedulerOutput(tuple(sequences), tuple(preempted), tuple(c for cs in copies.values() for c in cs))
 
     def _speculate(self, scheduled: dict[str, tuple[Request, int]], copies: dict[str, list[tuple[int, int]]],
                    budget: int) -> dict[str, tuple[int, ...]]:
@@ -245,14 +256,6 @@ class Scheduler:
                 self.counters.spec_decode_num_drafts += 1
                 self.counters.spec_decode_num_draft_tokens += len(proposed)
         return drafts
-
-    @staticmethod
-    def _commit(request: Request, num_tokens: int) -> None:
-        """Counts a scheduled chunk as computed, and its sample, if it makes one, as a placeholder:
-        so the next step can be scheduled before this one is read back (async scheduling)."""
-        request.num_computed_tokens += num_tokens
-        if request.num_computed_tokens == request.num_tokens:
-            request.num_placeholders += 1
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether `request`'s adapter runs already or a slot is left for it (max_loras)."""
@@ -301,7 +304,8 @@ class Scheduler:
                              preempted: list[str]) -> list[tuple[int, int]] | None:
         """Pages for `request`'s chunk, preempting the worst-ranked running requests if needed;
         the page copies to make first. None if `request` itself had to be preempted."""
-        self._release_behind_window(request)
+        if self.config.sliding_window:
+            self._release_behind_window(request)
         while True:
             copies = self.allocator.allocate(request.request_id, request.num_computed_tokens + num_tokens,
                                              write_from=request.num_computed_tokens)
@@ -372,7 +376,7 @@ class Scheduler:
         requests that received tokens, and those tokens. A request that finished, was aborted or was
         preempted after the step was launched is no longer running, and its tokens are dropped."""
         by_id = {r.request_id: r for r in self.running}
-        advanced, caching = {}, self.allocator.enable_caching
+        advanced, caching, page_size = {}, self.allocator.enable_caching, self.allocator.page_size
         for seq in output.sequences:
             request = by_id.get(seq.request_id)
             if request is None:
@@ -381,19 +385,22 @@ class Scheduler:
                 if caching:
                     self._cache_computed_pages(request, seq.start_position + seq.num_tokens)
                 continue
-            run = sampled[seq.request_id]
-            taken = 0
-            while taken < len(run) and not request.is_finished:
-                request.append_token(run[taken])
+            run, taken = sampled[seq.request_id], 0
+            for token in run:   # a running request has not finished: the first token is always taken
+                request.append_token(token)
                 taken += 1
+                if request.is_finished:
+                    break
             if seq.draft_token_ids:
                 self._count_accepted(len(run) - 1)
                 request.num_computed_tokens += taken - 1   # the confirmed drafts' K/V is the sequence's
                 self.allocator.truncate(request.request_id, request.num_tokens)
-            if caching:
-                self._cache_computed_pages(request, seq.start_position + seq.num_tokens
-                                           - len(seq.draft_token_ids) + max(0, taken - 1))
-            advanced[request] = tuple(run[:taken])
+            if caching:   # the K/V the step wrote, of the confirmed drafts only
+                computed = seq.start_position + len(seq.token_ids) - len(seq.draft_token_ids) + taken - 1
+                # only once a page has filled (a decode: 1 step in page_size) are there hashes to offer
+                if computed // page_size > self.allocator.num_offered(request.request_id):
+                    self._cache_computed_pages(request, computed)
+            advanced[request] = tuple(run) if taken == len(run) else tuple(run[:taken])   # a tuple: itself
             if self._forks:
                 self._fork_samples(request)
             if request.is_finished:
