@@ -298,6 +298,23 @@ def test_a_draft_model_samples_under_the_grammar(plain, self_drafting):
     assert max(len(s) for s in streamed) <= len(ids) // 3 + 2   # 1 + 3 tokens a step
 
 
+def test_a_draft_model_samples_within_allowed_token_ids(plain, self_drafting):
+    """allowed_token_ids steer the draft as a grammar does: the random model's own drafts mostly
+    fall outside them and would be cut; under their mask each is the target's sample, so every one
+    is accepted; greedy and seeded, the engine's tokens without speculation."""
+    allowed = plain.tokenizer.encode(FOX, add_special_tokens=False)
+    requests = [([3, 4, 5], SamplingParams(temperature=0, max_tokens=30, allowed_token_ids=allowed)),
+                (COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=30, allowed_token_ids=allowed))]
+    before = drafted(self_drafting)
+    expected, _ = run(plain, requests)
+    got, streamed = run(self_drafting, requests)
+    assert samples(got) == samples(expected)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in got)
+    proposed, accepted = np.subtract(drafted(self_drafting), before)
+    assert accepted == proposed >= 30   # without the masks, none survived the cut
+    assert max(len(s) for s in streamed) <= 30 // 3 + 2   # 1 + 3 tokens a step
+
+
 def test_each_proposal_fills_the_drafts_penalty_slot_anew(self_drafting, monkeypatch):
     """The draft runner's penalty slot counts its proposals, which the target may reject. After one
     whose last draft was rejected it has counted as many outputs as the request then has, but not

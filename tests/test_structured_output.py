@@ -7,6 +7,7 @@ fits because of the mask.
 import dataclasses
 import json
 import re
+import types
 
 import jax
 import jsonschema_rs
@@ -17,7 +18,7 @@ import pytest
 from jaxserve import device_calls
 from jaxserve.device_calls import Array, CompileSplit, Inbox, Outbox, ProtocolError, StepSample
 from jaxserve.engine.runner import Runner
-from jaxserve.engine.structured_output import Grammars
+from jaxserve.engine.structured_output import ConstrainedProposals, Grammars, pack_tokens
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams as Constraint
 from server_fixtures import pool_is_full, tiny_engine  # noqa: F401 - fixture
@@ -299,3 +300,29 @@ def test_best_of_logprobs_and_stop_strings_compose_with_a_constraint(tiny_engine
     [cut] = outputs["stopped"].outputs
     assert cut.finish_reason == "stop" and cut.text in {c.split(" ")[0] for c in choices}
     assert pool_is_full(tiny_engine)
+
+
+def test_proposals_are_cut_and_masked_by_grammars_and_allowed_token_ids(smollm2_tokenizer):
+    """A proposal is cut before the first token its allowed_token_ids or its grammar reject; the
+    draft's masks are the grammar's after the drafts, the allowed ids', or both combined."""
+    grammars = Grammars(smollm2_tokenizer, 49152, (2,), 65536)
+    yes, no = (smollm2_tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no"))
+    matcher = grammars.matcher(grammars.grammar(Constraint(choice=["yes", "no"])))
+    allowed = {"ids": pack_tokens([yes, 7], 49152), "both": pack_tokens([yes, 7], 49152)}
+
+    class Fixed:   # the same proposal for every request; keeps the masks it was given
+        def propose(self, requests, rooms, tables, data_slice, masks_after=None):
+            self.masks_after = masks_after
+            return [(yes, 7, no, yes)] * len(requests)
+
+    fixed = Fixed()
+    proposals = ConstrainedProposals(fixed, {"grammar": matcher, "both": matcher.deep_copy()}, allowed, grammars)
+    requests = [types.SimpleNamespace(request_id=i) for i in ("plain", "ids", "grammar", "both")]
+    assert proposals.propose(requests, [4] * 4, [[]] * 4, 0) == [(yes, 7, no, yes), (yes, 7), (yes,), (yes,)]
+    masks = fixed.masks_after(requests, [()] * 4)
+    assert "plain" not in masks and allowed_ids(masks["ids"]) == {yes, 7}
+    assert {yes, no} <= allowed_ids(masks["grammar"]) and 7 not in allowed_ids(masks["grammar"])
+    assert allowed_ids(masks["both"]) == {yes}
+    unconstrained = ConstrainedProposals(fixed, {}, {}, grammars)
+    assert unconstrained.propose(requests, [4] * 4, [[]] * 4, 0) == [(yes, 7, no, yes)] * 4
+    assert fixed.masks_after is None   # nothing to steer: a draft model's calls go back to back

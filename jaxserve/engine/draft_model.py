@@ -16,10 +16,10 @@ the same K/V that any other request with that prefix wrote there.
      budget, without sampling (the whole prompt, the first time; one token after a full accept);
   2. call 1 computes each request's last token and samples draft 1; calls 2..K compute each draft
      as a placeholder (its id read on the device from the call before) and sample the next. The
-     calls are launched back to back, then read back together; when a grammar constrains some
-     of the requests (structured outputs), each call is read back before the next, whose masks
-     are its grammar's after the drafts so far (`masks_after`; where they end the grammar, what
-     the call samples after them is cut by `ProposalsInGrammar`).
+     calls are launched back to back, then read back together; when a grammar (structured
+     outputs) or allowed_token_ids constrain some of the requests, each call is read back before
+     the next, whose masks are theirs after the drafts so far (`masks_after`; where the drafts
+     end the grammar, what the call samples after them is cut by `ConstrainedProposals`).
 Draft i is sampled with the request's seed for its output index and its sampling parameters, so
 the draft shares its Gumbel noise with the target's sample at that index: where q is close to p
 they agree, and with q = p always (see rejection_sampler). Penalties too: call 1 sends a penalised

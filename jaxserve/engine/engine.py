@@ -44,7 +44,7 @@ from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.runner import Followers, LaunchedStep, Runner, speculative_buckets
 from jaxserve.engine.sampler import row_seed
-from jaxserve.engine.structured_output import Grammars, ProposalsInGrammar, pack_tokens
+from jaxserve.engine.structured_output import ConstrainedProposals, Grammars, pack_tokens
 from jaxserve.engine.scheduler import Proposer, SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
@@ -238,6 +238,7 @@ class LLMEngine:
         self.runner.allocate_pool(pages)
         self.proposer = self._proposer(spec, draft, pages, followers)
         self._matchers: dict = {}   # sample id -> its grammar's matcher (structured outputs)
+        self._allowed: dict[str, np.ndarray] = {}   # sample id -> packed mask of its allowed_token_ids
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
                                  config.max_structured_output_bytes)
@@ -249,8 +250,8 @@ class LLMEngine:
                             config.priority_max_wait_steps, spec, config.max_loras if config.enable_lora else 0,
                             window),
             self.allocators,
-            ProposalsInGrammar(self.proposer, self._matchers, self.grammars) if self.proposer else None)
-        self._allowed: dict[str, np.ndarray] = {}   # sample id -> packed mask of its allowed_token_ids
+            ConstrainedProposals(self.proposer, self._matchers, self._allowed, self.grammars)
+            if self.proposer else None)
         self._groups: dict[str, _Group] = {}
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()

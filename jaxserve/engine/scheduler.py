@@ -91,7 +91,7 @@ class SchedulerCounters:
 
 
 # (requests, each one's drafts so far) -> the packed allowed-token mask after them of each request
-# whose samples a grammar constrains, by id (structured_output.ProposalsInGrammar.masks_after)
+# whose samples a grammar or allowed_token_ids constrain, by id (structured_output.ConstrainedProposals.masks_after)
 MasksAfter = Callable[[list[Request], list[tuple[int, ...]]], Mapping[str, Sequence[int]]]
 
 
@@ -232,7 +232,7 @@ class Scheduler:
                 continue   # a prompt chunk
             p = request.params
             # min_tokens masks EOS per position: not speculated (a grammar's drafts are cut to what
-            # it allows, and masked per row: structured_output.ProposalsInGrammar)
+            # it allows, and masked per row: structured_output.ConstrainedProposals)
             room = min(spec.num_speculative_tokens, budget, request.max_total_tokens - request.num_tokens - 1,
                        (p.max_tokens or request.max_total_tokens) - request.num_output_tokens - 1)
             if room < 1 or request.num_output_tokens < p.min_tokens:

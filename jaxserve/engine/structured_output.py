@@ -10,8 +10,8 @@ once. A matcher only ever moves forward with the sample's tokens: preemption rec
 cache, not the tokens, so the matcher survives it unchanged.
 
 Speculative decoding: a draft model samples each constrained sample's drafts under its grammar's
-mask after the drafts before them, and any proposal is cut to what the grammar allows
-(`ProposalsInGrammar`); the step gets a mask per sampling row, after 0, 1, ... of its drafts
+mask after the drafts before them (and its allowed_token_ids'), and any proposal is cut to what
+they allow (`ConstrainedProposals`); the step gets a mask per sampling row, after 0, 1, ... of its drafts
 (`Grammars.fill_masks`), filled without moving the matcher; it takes the kept tokens afterwards.
 """
 
@@ -99,7 +99,7 @@ class Grammars:
 
     def fill_masks(self, matchers: list, drafts: list[tuple[int, ...]]) -> list[np.ndarray]:
         """For each matcher, [1 + len(its drafts), mask_width] int32: the tokens it allows next, then
-        after each of its drafts (speculative decoding: the grammar's drafts, see `ProposalsInGrammar`),
+        after each of its drafts (speculative decoding: the grammar's drafts, see `ConstrainedProposals`),
         its state left as it was; filled in parallel."""
         _, executor = self._llg
         starts = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
@@ -113,33 +113,43 @@ class Grammars:
         return np.split(masks, starts[1:-1])
 
 
-class ProposalsInGrammar:
-    """A speculative `Proposer` whose proposals each constrained sample's grammar allows: a draft
-    model samples them under the grammar's masks (`masks_after`), and any proposal is cut before
-    the first token its matcher would reject, so that every draft row is sampled under the mask of
-    the grammar's state after the drafts before it (`Grammars.fill_masks`)."""
+class ConstrainedProposals:
+    """A speculative `Proposer` whose proposals each constrained sample's grammar and
+    allowed_token_ids allow: a draft model samples them under the masks (`masks_after`), and any
+    proposal is cut before the first token they reject, so that every draft row is sampled under
+    the mask of the grammar's state after the drafts before it (`Grammars.fill_masks`)."""
 
-    def __init__(self, proposer, matchers: Mapping[str, llguidance.LLMatcher], grammars: Grammars):
+    def __init__(self, proposer, matchers: Mapping[str, llguidance.LLMatcher], allowed: Mapping[str, np.ndarray],
+                 grammars: Grammars):
         self._proposer = proposer
         self._matchers = matchers   # the engine's, by sample id: read as they are at each proposal
+        self._allowed = allowed     # the engine's packed allowed_token_ids masks, by sample id
         self._grammars = grammars
 
     def propose(self, requests: list, rooms: list[int], tables: list[list[int]], data_slice: int
                 ) -> list[tuple[int, ...]]:
-        steer = any(r.request_id in self._matchers for r in requests)
+        steer = any(r.request_id in self._matchers or r.request_id in self._allowed for r in requests)
         proposals = self._proposer.propose(requests, rooms, tables, data_slice, self.masks_after if steer else None)
         return [self._allowed_prefix(r.request_id, proposed) for r, proposed in zip(requests, proposals)]
 
     def masks_after(self, requests: list, drafts: list[tuple[int, ...]]) -> dict[str, np.ndarray]:
-        """The packed allowed-token mask of each constrained request's grammar after its drafts (the
-        matcher does not move); all zero once the drafts end the grammar or leave it."""
-        constrained = [(r.request_id, d) for r, d in zip(requests, drafts) if r.request_id in self._matchers]
-        if not constrained:
-            return {}
-        filled = self._grammars.fill_masks([self._matchers[i] for i, _ in constrained], [d for _, d in constrained])
-        return {i: rows[-1] for (i, _), rows in zip(constrained, filled)}
+        """The packed allowed-token mask of each constrained request after its drafts: its grammar's
+        (the matcher does not move; all zero once the drafts end the grammar or leave it), its
+        allowed_token_ids', or both combined."""
+        in_grammar = [(r.request_id, d) for r, d in zip(requests, drafts) if r.request_id in self._matchers]
+        masks = {}
+        if in_grammar:
+            filled = self._grammars.fill_masks([self._matchers[i] for i, _ in in_grammar], [d for _, d in in_grammar])
+            masks = {i: rows[-1] for (i, _), rows in zip(in_grammar, filled)}
+        for i in (r.request_id for r in requests if r.request_id in self._allowed):
+            masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
+        return masks
 
     def _allowed_prefix(self, sample_id: str, proposed: tuple[int, ...]) -> tuple[int, ...]:
+        allowed = self._allowed.get(sample_id)
+        if allowed is not None:
+            proposed = proposed[:next((k for k, t in enumerate(proposed) if not allowed[t >> 5] >> (t & 31) & 1),
+                                      len(proposed))]
         matcher = self._matchers.get(sample_id)
         return proposed[:matcher.validate_tokens(list(proposed))] if matcher is not None and proposed else proposed
 
