@@ -22,8 +22,9 @@
                                llguidance fills each one's allowed-token bitmask, in parallel
                                (with drafts, which a draft model samples under the grammar's
                                masks and which are cut to what the grammar allows: one per
-                               sampling row, after each draft); the SchedulerOutput carries them
-                               (token_masks)
+                               sampling row, after each draft), combined with allowed_token_ids'
+                               masks (which steer and cut drafts too); the SchedulerOutput
+                               carries them (token_masks)
         Runner.launch()        picks the smallest compiled shape (bucket) that holds the step
                                (decode-only shapes of 1, 2, 4, ... rows; mixed shapes of 1, 2,
                                4, ... prefill segments: ~12 shapes), builds its padded arrays
