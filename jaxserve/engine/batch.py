@@ -87,7 +87,7 @@ class BatchLayout:
     def needs(self, output: SchedulerOutput, num_slices: int = 1) -> Bucket:
         """The smallest sizes that hold this step in every slice: decode slots and prefill segments."""
         decode, segments, decode_len = [0] * num_slices, [0] * num_slices, 1
-        for s in output.sequences:   # is_decode, inline: a call per sequence was a tenth of the layout
+        for s in output.sequences:   # is_decode inline: a call a sequence, here and in build, took ~0.1 ms of 256
             num_tokens = len(s.token_ids)
             if num_tokens == 1 or s.draft_token_ids:
                 decode[s.data_slice] += 1

@@ -151,7 +151,10 @@ class PageAllocator:
         num_new = -(-num_tokens // self.page_size) - len(table)
         first_written = len(table) if write_from is None else write_from // self.page_size
         refcounts, hashed = self._refcounts, self._hash_of_page
-        to_copy = [i for i in range(first_written, len(table)) if refcounts[table[i]] > 1 or table[i] in hashed]
+        if first_written == len(table) - 1:   # a decode's one page, without a comprehension's frame (0.3 us)
+            to_copy = [first_written] if refcounts[table[-1]] > 1 or table[-1] in hashed else ()
+        else:
+            to_copy = [i for i in range(first_written, len(table)) if refcounts[table[i]] > 1 or table[i] in hashed]
         copies = []
         if num_new > 0 or to_copy:
             num_new = max(0, num_new)

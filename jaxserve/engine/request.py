@@ -25,6 +25,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"      # the engine step failed
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """A sequence. Its KV cache holds `num_computed_tokens` of `token_ids`; the rest is to compute.
@@ -60,6 +66,8 @@ class Request:
     promoted: bool = False          # waited long enough to outrank every priority
     _page_hashes: list[bytes] = dataclasses.field(default_factory=list, init=False, repr=False)
     _known: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int32), init=False, repr=False)
+    _known_read_only: np.ndarray = dataclasses.field(default_factory=lambda: _read_only(np.empty(0, np.int32)),
+                                                     init=False, repr=False)   # a view of _known
     _num_known_filled: int = dataclasses.field(default=0, init=False, repr=False)   # of _known
 
     @property
@@ -106,16 +114,16 @@ class Request:
         if n > len(self._known):   # grown by doubling: a copy once in as many tokens as it holds
             grown = np.empty(max(n, 2 * len(self._known), 64), np.int32)
             grown[:filled] = self._known[:filled]
-            self._known = grown
+            self._known, self._known_read_only = grown, _read_only(grown)
         if filled < prompt_len:
             self._known[filled:prompt_len] = self.prompt_token_ids[filled:]
             filled = prompt_len
-        if filled < n:
+        if filled == n - 1:   # the usual step: one output more (a slice of the list took 1 us)
+            self._known[filled] = self.output_token_ids[-1]
+        elif filled < n:
             self._known[filled:n] = self.output_token_ids[filled - prompt_len:]
         self._num_known_filled = n
-        view = self._known[:n]
-        view.flags.writeable = False
-        return view
+        return self._known_read_only[:n]   # read-only as the view it slices: setting the flag took 1 us
 
     def drop_last_outputs(self, num: int) -> None:
         """Removes the last `num` output tokens (a stop string ended the request before them)."""
@@ -137,9 +145,9 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
 
-    def append_token(self, token: int) -> None:
+    def append_token(self, token: int) -> bool:
         """Records a sampled token (in place of its placeholder, if it has one) and finishes the
-        request if it is a stopping one."""
+        request if it is a stopping one; returns whether it did."""
         if self.num_placeholders:
             self.num_placeholders -= 1
         self.output_token_ids.append(token)
@@ -151,3 +159,4 @@ class Request:
         elif ((p.max_tokens is not None and num_out >= p.max_tokens)
               or len(self.prompt_token_ids) + num_out >= self.max_total_tokens):   # num_known_tokens
             self.finish(FinishReason.LENGTH)
+        return self.status is RequestStatus.FINISHED

@@ -211,11 +211,12 @@ class Scheduler:
         drafts = self._speculate(scheduled, copies, budget) if self.config.speculative and not preempted else {}
         sequences = []
         for request_id, (request, num_tokens) in scheduled.items():
-            sequences.append(self._describe(request, num_tokens, drafts.get(request_id, ())))
+            sequence = self._describe(request, num_tokens, drafts.get(request_id, ()))
+            sequences.append(sequence)
             # The chunk counts as computed, and its sample, if it makes one, as a placeholder: so the
             # next step can be scheduled before this one is read back (async scheduling).
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens:
+            if sequence.samples:
                 request.num_placeholders += 1
         return SchedulerOutput(tuple(sequences), tuple(preempted), tuple(c for cs in copies.values() for c in cs))
 
@@ -387,9 +388,8 @@ class Scheduler:
                 continue
             run, taken = sampled[seq.request_id], 0
             for token in run:   # a running request has not finished: the first token is always taken
-                request.append_token(token)
                 taken += 1
-                if request.is_finished:
+                if request.append_token(token):   # it ended the request
                     break
             if seq.draft_token_ids:
                 self._count_accepted(len(run) - 1)
