@@ -279,6 +279,16 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, self_dra
     assert max(len(s) for s in streamed) < 30 / 2  # 1 + 3 tokens a step, less at the start and the end
 
 
+def run_steered(plain, self_drafting, requests: list) -> tuple[list, list, tuple[int, int]]:
+    """`requests` through the engine without speculation and through one drafting for itself, which
+    must give the same tokens: its outputs, each request's chunks a step, and (drafts, accepted)."""
+    before = drafted(self_drafting)
+    expected, _ = run(plain, requests)
+    got, streamed = run(self_drafting, requests)
+    assert samples(got) == samples(expected)
+    return got, streamed, tuple(np.subtract(drafted(self_drafting), before))
+
+
 def test_a_draft_model_samples_under_the_grammar(plain, self_drafting):
     """A draft model's drafts for a constrained sample are sampled under its grammar's mask after the
     drafts before them: the random model, which on its own never writes the text, proposes it, so a
@@ -288,12 +298,8 @@ def test_a_draft_model_samples_under_the_grammar(plain, self_drafting):
     choice = StructuredOutputsParams(choice=[text])
     requests = [([3, 4, 5], SamplingParams(temperature=0, max_tokens=60, structured_outputs=choice)),
                 (COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=60, structured_outputs=choice))]
-    before = drafted(self_drafting)
-    expected, _ = run(plain, requests)
-    got, streamed = run(self_drafting, requests)
-    assert samples(got) == samples(expected)
+    got, streamed, (proposed, accepted) = run_steered(plain, self_drafting, requests)
     assert [o.outputs[0].text for o in got] == [text] * 2
-    proposed, accepted = np.subtract(drafted(self_drafting), before)
     assert accepted == proposed >= len(ids)   # none without the masks: its own drafts leave the text
     assert max(len(s) for s in streamed) <= len(ids) // 3 + 2   # 1 + 3 tokens a step
 
@@ -305,12 +311,8 @@ def test_a_draft_model_samples_within_allowed_token_ids(plain, self_drafting):
     allowed = plain.tokenizer.encode(FOX, add_special_tokens=False)
     requests = [([3, 4, 5], SamplingParams(temperature=0, max_tokens=30, allowed_token_ids=allowed)),
                 (COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=30, allowed_token_ids=allowed))]
-    before = drafted(self_drafting)
-    expected, _ = run(plain, requests)
-    got, streamed = run(self_drafting, requests)
-    assert samples(got) == samples(expected)
+    got, streamed, (proposed, accepted) = run_steered(plain, self_drafting, requests)
     assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in got)
-    proposed, accepted = np.subtract(drafted(self_drafting), before)
     assert accepted == proposed >= 30   # without the masks, none survived the cut
     assert max(len(s) for s in streamed) <= 30 // 3 + 2   # 1 + 3 tokens a step
 
