@@ -44,7 +44,7 @@ from jaxserve.engine.memory_budget import PoolBudget, device_memory, pool_budget
 from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.runner import Followers, LaunchedStep, Runner, speculative_buckets
 from jaxserve.engine.sampler import row_seed
-from jaxserve.engine.structured_output import ConstrainedProposals, Grammars, pack_tokens
+from jaxserve.engine.structured_output import ConstrainedProposals, Grammars, pack_tokens, within_allowed
 from jaxserve.engine.scheduler import Proposer, SchedulerConfig
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.errors import InvalidRequestError
@@ -608,8 +608,7 @@ class LLMEngine:
             filled = self.grammars.fill_masks([self._matchers[s.request_id] for s in constrained],
                                               [s.draft_token_ids for s in constrained])
             masks = {s.request_id: rows if s.draft_token_ids else rows[0] for s, rows in zip(constrained, filled)}
-        for i in (s.request_id for s in sampling if s.request_id in self._allowed):
-            masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
+        masks = within_allowed(masks, self._allowed, [s.request_id for s in sampling])
         return dataclasses.replace(output, token_masks=masks) if masks else output
 
     def _constrain(self, sample: Request, token: int) -> str | None:

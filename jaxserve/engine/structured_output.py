@@ -11,8 +11,8 @@ cache, not the tokens, so the matcher survives it unchanged.
 
 Speculative decoding: a draft model samples each constrained sample's drafts under its grammar's
 mask after the drafts before them (and its allowed_token_ids'), and any proposal is cut to what
-they allow (`ConstrainedProposals`); the step gets a mask per sampling row, after 0, 1, ... of its drafts
-(`Grammars.fill_masks`), filled without moving the matcher; it takes the kept tokens afterwards.
+they allow (`ConstrainedProposals`); the step gets a mask per sampling row, after 0, 1, ... of its
+drafts (`Grammars.fill_masks`), filled without moving the matcher; it takes the kept tokens afterwards.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def pack_tokens(token_ids, vocab_size: int) -> np.ndarray:
     ids = np.asarray(token_ids, np.int64)
     np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
     return words.view(np.int32)
+
+
+def within_allowed(masks: dict[str, np.ndarray], allowed: Mapping[str, np.ndarray], ids) -> dict[str, np.ndarray]:
+    """`masks` (packed, by id) with the allowed_token_ids mask of each of `ids` that has one put in,
+    or combined with its grammar's (a token must pass both)."""
+    for i in (i for i in ids if i in allowed):
+        masks[i] = masks[i] & allowed[i] if i in masks else allowed[i]
+    return masks
 
 
 class Grammars:
@@ -141,9 +149,7 @@ class ConstrainedProposals:
         if in_grammar:
             filled = self._grammars.fill_masks([self._matchers[i] for i, _ in in_grammar], [d for _, d in in_grammar])
             masks = {i: rows[-1] for (i, _), rows in zip(in_grammar, filled)}
-        for i in (r.request_id for r in requests if r.request_id in self._allowed):
-            masks[i] = masks[i] & self._allowed[i] if i in masks else self._allowed[i]
-        return masks
+        return within_allowed(masks, self._allowed, [r.request_id for r in requests])
 
     def _allowed_prefix(self, sample_id: str, proposed: tuple[int, ...]) -> tuple[int, ...]:
         allowed = self._allowed.get(sample_id)
